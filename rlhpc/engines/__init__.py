@@ -1,0 +1,60 @@
+"""Inference engines: token ids in, sampled token ids and their logprobs out.
+
+An engine generates `n` completions per prompt from the distribution `softmax(logits / temperature)` and reports the
+logprob of each sampled token under exactly that distribution, so the trainer can form importance ratios against it.
+It also takes weight updates under Hugging Face checkpoint names. `hf` (transformers) is the embedded default; `vllm`
+is the production engine (rlhpc.engines.vllm).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterable, List, Sequence, Tuple
+
+import torch
+
+
+@dataclass
+class Completion:
+    tokens: List[int]
+    logprobs: List[float]
+    # "stop" when a stop token ended it (the stop token is included in `tokens`), "length" when max_new_tokens did.
+    finish_reason: str
+
+
+class Engine(ABC):
+    @abstractmethod
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        temperature: float,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int],
+        greedy: bool = False,
+    ) -> List[List[Completion]]:
+        """Returns, for each prompt, `n` completions."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Loads tensors given under their Hugging Face checkpoint names."""
+
+    @abstractmethod
+    def score(self, sequences: Sequence[Sequence[int]], temperature: float) -> List[List[float]]:
+        """Logprob of every token after the first, given its prefix (for checking the weight path)."""
+
+    def close(self) -> None:
+        pass
+
+
+def make_engine(kind: str, model_path: str, dtype: str = "float32", **kwargs) -> Engine:
+    if kind == "hf":
+        from rlhpc.engines.hf import HFEngine
+
+        return HFEngine.from_pretrained(model_path, dtype=dtype)
+    if kind == "vllm":
+        from rlhpc.engines.vllm import VLLMEngine  # type: ignore[import-not-found]
+
+        return VLLMEngine(model_path, dtype=dtype, **kwargs)
+    raise ValueError(f"config key `inference.engine`: unknown engine {kind!r} (hf or vllm)")

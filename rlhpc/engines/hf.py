@@ -1,0 +1,92 @@
+"""The transformers engine: `generate` on a plain Hugging Face model, the embedded default."""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Sequence, Tuple
+
+import torch
+
+from rlhpc.engines import Completion, Engine
+from rlhpc.models import load_model
+
+
+class HFEngine(Engine):
+    def __init__(self, model: torch.nn.Module, pad_token_id: int):
+        self.model = model
+        self.pad = pad_token_id
+        self._params = dict(model.named_parameters())
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: str = "float32") -> "HFEngine":
+        model = load_model(path, dtype=dtype).eval()
+        return cls(model, model.config.pad_token_id if model.config.pad_token_id is not None else 0)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        temperature: float,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int],
+        greedy: bool = False,
+    ) -> List[List[Completion]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            ids[i, width - len(p) :] = torch.as_tensor(p)
+            mask[i, width - len(p) :] = 1
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if not greedy else dict(do_sample=False)
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=n,
+            eos_token_id=list(stop_token_ids),
+            pad_token_id=self.pad,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **sampling,
+        )
+        self.model.train(was_training)
+        new = out.sequences[:, width:]  # [B*n, steps]
+        # `scores` are the processed logits the tokens were drawn from (already divided by the temperature).
+        scores = torch.stack(out.scores, dim=1).float()  # [B*n, steps, V]
+        if greedy:
+            scores = scores / temperature
+        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        stops = torch.as_tensor(list(stop_token_ids))
+        is_stop = torch.isin(new, stops)
+        # Length of each completion: up to and including its first stop token.
+        first_stop = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, torch.full_like(new[:, 0], new.shape[1]))
+        tokens, lps, lens = new.tolist(), logprobs.tolist(), first_stop.tolist()
+        stopped = is_stop.any(1).tolist()
+        result: List[List[Completion]] = []
+        for i in range(len(prompts)):
+            group = []
+            for j in range(n):
+                k = i * n + j
+                L = lens[k]
+                group.append(Completion(tokens[k][:L], lps[k][:L], "stop" if stopped[k] else "length"))
+            result.append(group)
+        return result
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named_tensors:
+            param = self._params.get(name)
+            if param is None:
+                raise KeyError(f"weight update names {name!r}, which the inference model does not have")
+            param.copy_(tensor)
+
+    @torch.no_grad()
+    def score(self, sequences: Sequence[Sequence[int]], temperature: float) -> List[List[float]]:
+        out = []
+        for seq in sequences:
+            ids = torch.as_tensor([list(seq)])
+            logits = self.model(input_ids=ids).logits[0, :-1].float() / temperature
+            out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist())
+        return out

@@ -1,0 +1,199 @@
+"""The local launcher: every role as a plain OS process on this machine, through the same entry point Slurm uses.
+
+It watches its children: a role that fails ends the others and the launcher exits non-zero with the tail of that
+role's log; Ctrl-C or SIGTERM ends every process it started; a progress bar follows the trainer's heartbeat.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import IO, List, Optional
+
+from rlhpc.config import Config
+from rlhpc.rundir import RunDir, read_json
+
+
+@dataclass
+class Proc:
+    role: str
+    rank: int
+    popen: subprocess.Popen
+    log: IO
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.rank}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+class LocalLauncher:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.procs: List[Proc] = []
+
+    def plan(self) -> str:
+        c = self.cfg
+        return (
+            f"launcher=local run_dir={c.run_dir}\n"
+            f"  trainer:   {c.trainer.num_ranks} process(es), {c.trainer.threads} thread(s) each\n"
+            f"  inference: {c.inference.num_workers} process(es), engine={c.inference.engine}\n"
+            f"  weights group: {c.inference.num_workers + 1} members ({c.weights.transport})\n"
+            f"  steps: sft={c.sft.steps} rl={c.trainer.steps} async_level={c.async_level}"
+        )
+
+    def spawn(self, run: RunDir, role: str, rank: int, size: int, extra_env: dict) -> Proc:
+        env = dict(os.environ)
+        env.update(
+            RLHPC_ROLE=role, RLHPC_RANK=str(rank), RLHPC_ROLE_SIZE=str(size), RLHPC_RUN_DIR=str(run.root),
+            RLHPC_ATTEMPT=self.attempt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.cfg.trainer.threads),
+            **extra_env,
+        )
+        log = open(run.log_file(role, rank), "ab")
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "rlhpc.role"], env=env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,  # its own process group, ended as one
+        )
+        return Proc(role, rank, popen, log)
+
+    def start(self, run: RunDir) -> int:
+        self.attempt = f"{int(time.time())}-{os.getpid()}"
+        cfg = self.cfg
+        t0 = time.time()
+        stop = {"signal": None}
+
+        def on_signal(signum, frame):  # noqa: ARG001
+            stop["signal"] = signum
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            port = free_port()
+            master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            for r in range(cfg.trainer.num_ranks):
+                self.procs.append(self.spawn(run, "trainer", r, cfg.trainer.num_ranks, master))
+            for r in range(cfg.inference.num_workers):
+                self.procs.append(self.spawn(run, "inference", r, cfg.inference.num_workers, {}))
+            print(f"run_dir: {run.root}\nlogs:    {run.logs}/  (tensorboard --logdir {run.tb})", flush=True)
+            code = self.watch(run, t0, stop)
+        finally:
+            self.end_all()
+            for s, h in old.items():
+                signal.signal(s, h)
+        if code == 0:
+            from rlhpc.summary import print_summary
+
+            print_summary(run, wall_time_s=time.time() - t0)
+        return code
+
+    def watch(self, run: RunDir, t0: float, stop: dict) -> int:
+        cfg = self.cfg
+        bar = _Progress(cfg) if cfg.launcher.progress else None
+        trainers = [p for p in self.procs if p.role == "trainer"]
+        try:
+            while True:
+                if stop["signal"] is not None:
+                    print(f"\nstopping: received {signal.Signals(stop['signal']).name}; ending all roles", file=sys.stderr)
+                    return 130 if stop["signal"] == signal.SIGINT else 143
+                for p in self.procs:
+                    rc = p.popen.poll()
+                    if rc not in (None, 0):
+                        print(f"\n{p.name} exited with code {rc}; ending the others. Last lines of "
+                              f"{run.log_file(p.role, p.rank)}:\n{tail(run.log_file(p.role, p.rank))}", file=sys.stderr)
+                        return 1
+                if all(p.popen.poll() == 0 for p in trainers):
+                    # Workers see status/DONE and exit on their own; give them a moment, then end them.
+                    deadline = time.time() + 30
+                    while time.time() < deadline and any(p.popen.poll() is None for p in self.procs):
+                        time.sleep(0.1)
+                    bad = [p for p in self.procs if p.popen.poll() not in (None, 0)]
+                    if bad:
+                        p = bad[0]
+                        print(f"\n{p.name} exited with code {p.popen.returncode}:\n{tail(run.log_file(p.role, p.rank))}",
+                              file=sys.stderr)
+                        return 1
+                    return 0
+                if cfg.launcher.timeout_s and time.time() - t0 > cfg.launcher.timeout_s:
+                    print(f"\nlauncher.timeout_s={cfg.launcher.timeout_s:.0f}s reached; ending all roles", file=sys.stderr)
+                    return 124
+                if bar:
+                    bar.update(run)
+                time.sleep(0.2)
+        finally:
+            if bar:
+                bar.close()
+
+    def end_all(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to each role's process group, then SIGKILL what is left after `grace_s`."""
+        alive = [p for p in self.procs if p.popen.poll() is None]
+        for p in alive:
+            _killpg(p.popen.pid, signal.SIGTERM)
+        deadline = time.time() + grace_s
+        for p in alive:
+            try:
+                p.popen.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs:
+            _killpg(p.popen.pid, signal.SIGKILL)  # also any grandchildren left in the group
+            if p.popen.poll() is None:
+                p.popen.wait(timeout=5)
+            p.log.close()
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Progress:
+    """A terminal progress bar over the trainer's heartbeat (SFT steps, then RL steps)."""
+
+    def __init__(self, cfg: Config):
+        from tqdm import tqdm
+
+        self.tqdm = tqdm
+        self.cfg = cfg
+        self.bar = None
+        self.phase = None
+
+    def update(self, run: RunDir) -> None:
+        hb = read_json(run.status / "trainer-0.json")
+        if not hb:
+            return
+        phase = hb.get("phase", "rl")
+        if phase != self.phase:
+            if self.bar:
+                self.bar.close()
+            total = self.cfg.sft.steps if phase == "sft" else self.cfg.trainer.steps
+            self.bar = self.tqdm(total=total, desc=phase.upper(), unit="step", dynamic_ncols=True)
+            self.phase = phase
+        n = hb.get("sft_step", 0) if phase == "sft" else hb.get("step", 0)
+        self.bar.n = n
+        post = {"loss": f"{hb.get('loss', 0):.3f}"}
+        if phase != "sft":
+            post.update(reward=f"{hb.get('reward', 0):.3f}", heldout=f"{hb.get('heldout', 0):.3f}")
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()

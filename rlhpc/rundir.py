@@ -1,0 +1,141 @@
+"""The run directory on the shared filesystem, and the atomic-write primitive everything in it uses."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, durable: bool = True) -> None:
+    """Writes under a temporary name in the same folder, fsyncs, then renames: readers never see a partial file."""
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        if durable:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def write_json(path: Path, obj: Any, durable: bool = True) -> None:
+    atomic_write(path, json.dumps(obj, indent=1, sort_keys=True).encode(), durable=durable)
+
+
+def read_json(path: Path, default: Any = None) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return default
+
+
+def wait_for(
+    check: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.05, abort: Optional[Callable[[], Any]] = None
+) -> Any:
+    """Polls `check` until it returns something truthy; raises TimeoutError naming `what` (never waits forever)."""
+    deadline = time.monotonic() + timeout_s
+    delay = min(poll_s, 0.01)
+    while True:
+        value = check()
+        if value:
+            return value
+        if abort is not None:
+            reason = abort()
+            if reason:
+                raise RuntimeError(f"stopped waiting for {what}: {reason}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, poll_s)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root).absolute())
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def queue(self) -> Path:
+        return self.root / "queue"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def rendezvous(self) -> Path:
+        return self.root / "rendezvous"
+
+    @property
+    def tb(self) -> Path:
+        return self.root / "tb"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def status(self) -> Path:
+        return self.root / "status"
+
+    @property
+    def model(self) -> Path:
+        """The Hugging Face folder RL starts from (the built or given base model, or the SFT export)."""
+        return self.root / "model"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def done(self) -> Path:
+        """Written by the trainer after its last step: every role may exit."""
+        return self.status / "DONE"
+
+    @property
+    def failed(self) -> Path:
+        return self.status / "FAILED"
+
+    def make(self) -> "RunDir":
+        for p in (self.queue, self.weights, self.checkpoints, self.rendezvous, self.tb, self.logs, self.status):
+            p.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def log_file(self, role: str, rank: int) -> Path:
+        return self.logs / f"{role}-{rank}.log"
+
+    def heartbeat(self, role: str, rank: int, **fields: Any) -> None:
+        info: Dict[str, Any] = {"role": role, "rank": rank, "pid": os.getpid(), "host": os.uname().nodename}
+        info.update(fields, time=time.time())
+        write_json(self.status / f"{role}-{rank}.json", info, durable=False)
+
+    def heartbeats(self) -> Dict[str, Dict[str, Any]]:
+        out = {}
+        for p in sorted(self.status.glob("*-*.json")):
+            info = read_json(p)
+            if info:
+                out[p.stem] = info
+        return out

@@ -1,0 +1,314 @@
+"""The trainer role: one torch.distributed world of `trainer.num_ranks` ranks.
+
+For step k: rank 0 claims enough fresh groups from the queue (version >= k - async_level), every rank trains on its
+token-balanced share, the optimizer steps, and the new weights (version k+1) stream to the inference workers. Rank 0
+also runs the supervised warm start, held-out evaluation, and writes summary.json.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from itertools import islice
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from rlhpc import env as env_mod
+from rlhpc import loss as loss_mod
+from rlhpc import models
+from rlhpc.batching import balance_ranks, pad, plan_micro_batches, token_logprobs
+from rlhpc.config import Config
+from rlhpc.engines.hf import HFEngine
+from rlhpc.loss import LossInputs
+from rlhpc.metrics import Metrics
+from rlhpc.queue import Claim, Queue, RolloutBatch
+from rlhpc.role import Identity
+from rlhpc.rollout import evaluate
+from rlhpc.rundir import RunDir, read_json, wait_for, write_json
+from rlhpc.sft import make_optimizer, sft_train
+from rlhpc.weights import BroadcastSender, FilesystemSender, WeightsSender, write_snapshot
+
+log = logging.getLogger(__name__)
+
+
+def run_trainer(cfg: Config, ident: Identity, run: RunDir) -> None:
+    Trainer(cfg, ident, run).train()
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ident: Identity, run: RunDir):
+        self.cfg, self.ident, self.run = cfg, ident, run
+        self.rank, self.world = ident.rank, ident.size
+        self.is_main = self.rank == 0
+        torch.set_num_threads(cfg.trainer.threads)
+        torch.manual_seed(cfg.seed + self.rank)
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        if self.world > 1:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{ident.master_addr}:{ident.master_port}",
+                                    rank=self.rank, world_size=self.world)
+        self.queue = Queue(run.queue)
+        self.env = env_mod.load(cfg.env)
+        self.loss_fn = loss_mod.get(cfg.algo.name)
+        self.metrics: Optional[Metrics] = Metrics(run, "trainer", self.rank) if self.is_main else None
+        self.summary: Dict = {}
+        # Set up in run(): the model (FSDP2-sharded when world > 1), its optimizer, the weights sender, the evaluator.
+        self.model: torch.nn.Module
+        self.optimizer: torch.optim.Optimizer
+        self.sender: Optional[WeightsSender] = None
+        self.eval_engine: Optional[HFEngine] = None
+
+    # ---- the main loop -------------------------------------------------------------------------------------------
+
+    def train(self) -> None:
+        t_start = time.time()
+        self.prepare_model()
+        self.tokenizer = models.load_tokenizer(self.run.model)
+        self.model = self.wrap(models.load_model(self.run.model, self.cfg.model.dtype).to(self.device))
+        self.optimizer = make_optimizer(self.model.parameters(), self.cfg.trainer.optim)
+        self.eval_tasks = list(islice(self.env.tasks("eval", 0), self.cfg.eval.num_tasks))
+        if self.is_main:
+            self.eval_engine = HFEngine(self.model if self.world == 1 else models.load_model(self.run.model), self.tokenizer.pad_token_id)
+            self.sender = self.make_sender()
+            self.queue.set_progress(claimed=0, version=0)
+        t_rl = time.time()
+        steps = self.cfg.trainer.steps
+        curve: List[Tuple[int, float]] = [(0, self.summary["heldout_reward_sft"])] if self.is_main else []
+        for step in range(steps):
+            claim = self.claim(step)
+            if self.is_main:  # workers size their next batch by this
+                self.queue.set_progress(claimed=step + 1, version=step)
+            stats = self.train_step(step, claim.batch)
+            t_pub = time.time()
+            self.publish(step + 1, eval_due=self.eval_due(step + 1))
+            stats["weights/publish_s"] = time.time() - t_pub
+            if self.is_main:
+                self.queue.set_progress(claimed=step + 1, version=step + 1)
+                self.queue.record(step, claim)
+                self.queue.retire_before(step + 1, keep=self.cfg.queue.keep_retired)
+                if self.eval_due(step + 1):
+                    r = evaluate(self.eval_engine, self.env, self.tokenizer, self.eval_tasks, self.cfg.env.max_new_tokens)
+                    curve.append((step + 1, r))
+                    stats["eval/heldout_reward"] = r
+                    log.info("step %d held-out reward %.3f", step + 1, r)
+                stats.update(self.claim_stats(step, claim))
+                self.metrics.log(step + 1, stats)
+                self.run.heartbeat("trainer", self.rank, step=step + 1, steps=steps, reward=stats["rollout/reward"],
+                                   heldout=curve[-1][1], loss=stats["loss/total"])
+        if self.is_main:
+            rl_time = time.time() - t_rl
+            final = curve[-1][1] if curve and curve[-1][0] == steps else evaluate(
+                self.eval_engine, self.env, self.tokenizer, self.eval_tasks, self.cfg.env.max_new_tokens)
+            if not curve or curve[-1][0] != steps:
+                curve.append((steps, final))
+            self.summary.update(
+                heldout_reward_rl=final, rl_steps=steps, rl_wall_time_s=rl_time,
+                trainer_wall_time_s=time.time() - t_start, eval_curve=curve, exp_name=self.cfg.exp_name,
+                async_level=self.cfg.async_level, algo=self.cfg.algo.name,
+            )
+            if self.cfg.trainer.export_final:
+                self.export(self.run.checkpoints / "final")
+            write_json(self.run.summary, self.summary)
+            write_json(self.run.done, {"time": time.time(), "steps": steps})
+            self.sender.close()
+            self.metrics.close()
+        if self.world > 1:
+            dist.barrier()
+            dist.destroy_process_group()
+
+    def eval_due(self, version: int) -> bool:
+        iv = self.cfg.eval.interval
+        return version == self.cfg.trainer.steps or (iv > 0 and version % iv == 0)
+
+    # ---- model preparation: build, SFT warm start, hand to RL ------------------------------------------------------
+
+    def prepare_model(self) -> None:
+        """Rank 0 makes run_dir/model (the HF folder RL starts from); other ranks wait for it."""
+        ready = self.run.model / "READY"
+        if self.is_main and not ready.exists():
+            self.summary.update(self.warm_start())
+            write_json(ready, self.summary)
+        wait_for(ready.exists, self.cfg.inference.startup_timeout_s, f"{ready} (the SFT warm start on trainer rank 0)")
+        self.summary = read_json(ready)
+
+    def warm_start(self) -> Dict:
+        cfg = self.cfg
+        base = cfg.model.path or str(models.build(cfg.model, self.run.root / "base_model"))
+        model, tok = models.load_model(base, cfg.model.dtype), models.load_tokenizer(base)
+        engine = HFEngine(model, tok.pad_token_id)
+        tasks = list(islice(self.env.tasks("eval", 0), cfg.eval.num_tasks))
+        out: Dict = {"heldout_reward_base": evaluate(engine, self.env, tok, tasks, cfg.env.max_new_tokens)}
+        t0 = time.time()
+        if cfg.sft.steps > 0:
+            def on_step(s: int, loss: float) -> None:
+                self.metrics.log(s - cfg.sft.steps, {"sft/loss": loss})
+                if s % 20 == 0:
+                    self.run.heartbeat("trainer", self.rank, phase="sft", sft_step=s, sft_steps=cfg.sft.steps, loss=loss)
+
+            sft_train(model, tok, self.env, cfg, on_step=on_step)
+        out["heldout_reward_sft"] = evaluate(engine, self.env, tok, tasks, cfg.env.max_new_tokens)
+        out["sft_steps"] = cfg.sft.steps
+        out["sft_wall_time_s"] = time.time() - t0
+        log.info("warm start: held-out reward %.3f -> %.3f after %d SFT steps (%.1fs)", out["heldout_reward_base"],
+                 out["heldout_reward_sft"], cfg.sft.steps, out["sft_wall_time_s"])
+        model.save_pretrained(self.run.model)
+        tok.save_pretrained(self.run.model)
+        return out
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.world > 1 or self.cfg.trainer.fsdp:
+            from rlhpc.parallel import apply_fsdp
+
+            apply_fsdp(model, self.cfg.trainer, self.device)
+        elif self.cfg.trainer.activation_checkpointing:
+            model.gradient_checkpointing_enable()
+        return model
+
+    def make_sender(self) -> WeightsSender:
+        w = self.cfg.weights
+        if w.transport == "filesystem":
+            return FilesystemSender(self.run)
+        return BroadcastSender(self.run, self.cfg.inference.num_workers, w.bucket_mb, w.timeout_s, self.ident.attempt)
+
+    # ---- one step ---------------------------------------------------------------------------------------------------
+
+    def claim(self, step: int) -> Claim:
+        abort = self.run_failed
+        timeout = self.cfg.trainer.rollout_timeout_s
+        if self.is_main:
+            return self.queue.claim(step, self.cfg.trainer.groups_per_step, step - self.cfg.async_level, timeout, abort=abort)
+        return self.queue.wait_claim(step, timeout, abort=abort)
+
+    def run_failed(self) -> Optional[str]:
+        info = read_json(self.run.failed)
+        return f"{info['role']} rank {info['rank']} failed: {info['error']}" if info else None
+
+    def train_step(self, step: int, batch: RolloutBatch) -> Dict[str, float]:
+        t0 = time.time()
+        cfg = self.cfg
+        mine = balance_ranks(batch.lengths, batch.group_of, self.world)[self.rank]
+        lengths = batch.lengths[mine]
+        # Loss weights: the whole step sums to a mean over tokens (or sequences) of all ranks.
+        loss_tokens_per_sample = torch.stack(
+            [batch.loss_mask[batch.offsets[i] + 1 : batch.offsets[i + 1]].sum() for i in mine.tolist()]
+        ) if mine.numel() else torch.zeros(0, dtype=torch.long)
+        totals = torch.tensor([float(loss_tokens_per_sample.sum()), float(batch.num_samples)])
+        if self.world > 1:
+            dist.all_reduce(totals)  # token count across ranks (samples are already global)
+        total_tokens = max(float(totals[0]), 1.0)
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: Dict[str, float] = {}
+        n_loss_tokens = 0
+        for mb in plan_micro_batches(lengths, cfg.trainer.micro_batch_tokens):
+            samples = mine[mb]
+            seqs = [batch.tokens[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()]
+            ids, attn = pad(seqs, self.tokenizer.pad_token_id)
+            masks, _ = pad([batch.loss_mask[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()], 0)
+            inf_lp = _float_pad([batch.logprobs[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()])
+            ids, attn = ids.to(self.device), attn.to(self.device)
+            logp, entropy = token_logprobs(self.model, ids, attn, cfg.algo.temperature, with_entropy=True)
+            sel = masks[:, 1:].bool().to(self.device)
+            row = torch.arange(len(samples), device=self.device).unsqueeze(1).expand_as(sel)[sel]
+            inputs = LossInputs(
+                logprobs=logp[sel],
+                inference_logprobs=inf_lp[:, 1:].to(self.device)[sel],
+                advantages=batch.advantages[samples].to(self.device)[row],
+                sample_index=row,
+                num_samples=len(samples),
+            )
+            out = self.loss_fn(inputs, cfg.algo)
+            if cfg.algo.normalize == "token":
+                weight = torch.full_like(out.token_loss, 1.0 / total_tokens)
+            else:  # each sequence weighs the same, its tokens share its weight
+                per_sample = torch.bincount(row, minlength=len(samples)).clamp(min=1).float()
+                weight = 1.0 / (per_sample[row] * float(totals[1]))
+            loss = (out.token_loss * weight).sum() * self.world  # FSDP averages gradients over ranks
+            loss.backward()
+            k = int(sel.sum())
+            n_loss_tokens += k
+            sums["loss/total"] = sums.get("loss/total", 0.0) + float(loss) / self.world
+            sums["entropy"] = sums.get("entropy", 0.0) + float(entropy[sel].sum())
+            for name, v in out.metrics.items():
+                sums[f"loss/{name}"] = sums.get(f"loss/{name}", 0.0) + float(v) * k
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.trainer.optim.max_grad_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        self.optimizer.step()
+        stats = {"loss/total": sums.get("loss/total", 0.0)}
+        for k_, v in sums.items():
+            if k_ != "loss/total":
+                stats[k_] = v / max(n_loss_tokens, 1)
+        dt = time.time() - t0
+        stats.update({
+            "grad_norm": float(grad_norm),
+            "perf/train_s": dt,
+            "perf/tokens_per_s": float(batch.tokens.numel()) / dt,
+            "perf/loss_tokens": float(total_tokens),
+        })
+        return stats
+
+    def claim_stats(self, step: int, claim: Claim) -> Dict[str, float]:
+        b = claim.batch
+        rewards = [r for g in b.groups for r in g.rewards]
+        staleness = [step - g.version for g in b.groups]
+        counts = self.queue.counts()
+        comp = [n for g in b.groups for n in g.extra.get("completion_tokens", [])]
+        return {
+            "rollout/reward": sum(rewards) / len(rewards),
+            "rollout/truncated_frac": sum(t for g in b.groups for t in g.truncated) / max(len(rewards), 1),
+            "rollout/completion_tokens": sum(comp) / max(len(comp), 1),
+            "async/staleness_mean": sum(staleness) / len(staleness),
+            "async/staleness_max": max(staleness),
+            "async/dropped_groups": claim.dropped_groups,
+            "queue/pending_files": counts["pending_files"],
+            "queue/quarantined_files": counts["quarantined_files"],
+            "perf/rollout_wait_s": claim.wait_s,
+        }
+
+    # ---- weights out ---------------------------------------------------------------------------------------------------
+
+    def full_state(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) one parameter at a time; with FSDP2 each is all-gathered on demand (all ranks)."""
+        for name, p in self.model.named_parameters():
+            t = p.detach()
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            yield name, t
+
+    def publish(self, version: int, eval_due: bool) -> None:
+        stream = self.full_state()
+        if not self.is_main:
+            for _ in stream:  # take part in the all-gathers
+                pass
+            return
+        if self.world > 1 and eval_due:  # the evaluator is a separate copy: fill it from the same stream
+            stream = _tee_into(stream, self.eval_engine)
+        snap = self.cfg.weights.snapshot_interval
+        if snap and version % snap == 0 and self.cfg.weights.transport == "broadcast":
+            stream = list(stream)
+            write_snapshot(self.run, version, stream)
+        self.sender.publish(version, stream)
+
+    def export(self, path) -> None:
+        """Hugging Face folder (safetensors, config, tokenizer) of the current weights."""
+        model = self.model if self.world == 1 else self.eval_engine.model
+        model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+
+def _float_pad(seqs: List[torch.Tensor]) -> torch.Tensor:
+    width = max(int(s.numel()) for s in seqs)
+    out = torch.zeros((len(seqs), width), dtype=torch.float32)
+    for i, s in enumerate(seqs):
+        out[i, : s.numel()] = s
+    return out
+
+
+def _tee_into(stream, engine: HFEngine):
+    for name, t in stream:
+        engine.update_weights([(name, t)])
+        yield name, t

@@ -1,0 +1,340 @@
+"""Moving new weights from the trainer to the inference workers.
+
+Two transports behind one sender/receiver pair:
+- `broadcast`: the weights group, its own process group (NCCL on GPU, gloo on CPU) of trainer rank 0 and every
+  inference worker, rendezvousing through a TCPStore at trainer rank 0 whose address and random token are published in
+  `rendezvous/weights.json`. A member that does not present the token is refused. Tensors travel in flat buckets of one
+  dtype, at most `weights.bucket_mb` each, filled from a stream of (name, tensor) so the sender never holds more than a
+  bucket beyond its model.
+- `filesystem`: a safetensors snapshot per version under `weights/` plus a READY marker. Snapshots are also how a
+  worker starts (version 0) and how a late joiner catches up.
+
+Tensors travel under their Hugging Face checkpoint names.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from rlhpc.rundir import RunDir, fsync_dir, read_json, wait_for, write_json
+
+log = logging.getLogger(__name__)
+
+NamedTensors = Iterable[Tuple[str, torch.Tensor]]
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int64, torch.int32)}
+
+
+@dataclass
+class Update:
+    version: int
+    tensors: List[Tuple[str, torch.Tensor]]
+
+
+class WeightsSender(ABC):
+    @abstractmethod
+    def publish(self, version: int, tensors: NamedTensors) -> int:
+        """Sends weights `version`; returns the bytes sent."""
+
+    def close(self) -> None:
+        pass
+
+
+class WeightsReceiver(ABC):
+    @abstractmethod
+    def poll(self) -> Optional[Update]:
+        """The newest update not yet returned, or None."""
+
+    def closed(self) -> bool:
+        """True once the sender said it will send nothing more."""
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+# ---- filesystem snapshots ----------------------------------------------------------------------------------------
+
+
+def snapshot_dir(run: RunDir, version: int) -> Path:
+    return run.weights / f"v{version:08d}"
+
+
+def write_snapshot(run: RunDir, version: int, tensors: NamedTensors, keep: int = 2) -> Path:
+    """Writes `weights/v<version>/model.safetensors` then a READY marker; keeps the newest `keep` snapshots."""
+    d = snapshot_dir(run, version)
+    tmp = run.weights / f".tmp-v{version:08d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({n: t.detach().contiguous().cpu() for n, t in tensors}, str(tmp / "model.safetensors"))
+    with open(tmp / "model.safetensors", "rb") as f:
+        os.fsync(f.fileno())
+    shutil.rmtree(d, ignore_errors=True)
+    os.replace(tmp, d)
+    write_json(d / "READY", {"version": version, "time": time.time()})
+    for old in sorted(p for p in run.weights.glob("v*") if (p / "READY").exists())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(run.weights)
+    return d
+
+
+def latest_snapshot(run: RunDir) -> Optional[int]:
+    versions = [int(p.name[1:]) for p in run.weights.glob("v*") if (p / "READY").exists() and p.name[1:].isdigit()]
+    return max(versions) if versions else None
+
+
+def load_snapshot(run: RunDir, version: int) -> List[Tuple[str, torch.Tensor]]:
+    return list(load_file(str(snapshot_dir(run, version) / "model.safetensors")).items())
+
+
+class FilesystemSender(WeightsSender):
+    def __init__(self, run: RunDir, keep: int = 2):
+        self.run, self.keep = run, keep
+
+    def publish(self, version: int, tensors: NamedTensors) -> int:
+        d = write_snapshot(self.run, version, tensors, keep=self.keep)
+        return (d / "model.safetensors").stat().st_size
+
+    def close(self) -> None:
+        write_json(self.run.weights / "CLOSED", {"time": time.time()})
+
+
+class FilesystemReceiver(WeightsReceiver):
+    def __init__(self, run: RunDir, version: int):
+        self.run, self.version = run, version
+
+    def poll(self) -> Optional[Update]:
+        v = latest_snapshot(self.run)
+        if v is None or v <= self.version:
+            return None
+        try:
+            tensors = load_snapshot(self.run, v)
+        except FileNotFoundError:  # replaced by a newer one while reading; the next poll takes that
+            return None
+        self.version = v
+        return Update(v, tensors)
+
+    def closed(self) -> bool:
+        return (self.run.weights / "CLOSED").exists()
+
+
+# ---- the weights group --------------------------------------------------------------------------------------------
+
+
+def _make_group(store: dist.Store, rank: int, size: int, backend: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":  # GPU only: the CPU build of torch has no ProcessGroupNCCL
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    raise ValueError(f"unknown weights backend {backend!r}")
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _bucketize(layout: List[Tuple[str, List[int], str]], bucket_bytes: int) -> List[List[int]]:
+    """Splits the layout into runs of consecutive same-dtype tensors of at most `bucket_bytes` (one tensor may exceed)."""
+    buckets: List[List[int]] = []
+    size, dtype = 0, None
+    for i, (_, shape, dt) in enumerate(layout):
+        nbytes = _numel(shape) * torch.empty((), dtype=_DTYPES[dt]).element_size()
+        if not buckets or dt != dtype or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size, dtype = 0, dt
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+def _numel(shape: List[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _host() -> str:
+    override = os.environ.get("RLHPC_WEIGHTS_HOST")
+    if override:
+        return override
+    if os.environ.get("SLURM_JOB_ID"):
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            pass
+    return "127.0.0.1"
+
+
+class BroadcastSender(WeightsSender):
+    """Trainer rank 0's end of the weights group (group rank 0)."""
+
+    def __init__(self, run: RunDir, num_receivers: int, bucket_mb: int, timeout_s: float, attempt: str, backend: str = ""):
+        self.backend = backend or default_backend()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.bucket_bytes = bucket_mb << 20
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.size = num_receivers + 1
+        self.store = dist.TCPStore(_host(), 0, self.size, True, timeout=self.timeout, wait_for_workers=False)
+        self.token = secrets.token_hex(16)
+        write_json(
+            run.rendezvous / "weights.json",
+            {"host": _host(), "port": self.store.port, "token": self.token, "world_size": self.size, "attempt": attempt,
+             "backend": self.backend},
+        )
+        self._admit(timeout_s)
+        self.group = _make_group(dist.PrefixStore(f"rlhpc/{self.token}", self.store), 0, self.size, self.backend, self.timeout)
+        self.layout: Optional[List[Tuple[str, List[int], str]]] = None
+        log.info("weights group of %d formed (%s)", self.size, self.backend)
+
+    def _admit(self, timeout_s: float) -> None:
+        """Waits for every receiver to present the token; refuses (and keeps waiting for) any that does not."""
+        deadline = time.monotonic() + timeout_s
+        waiting = set(range(1, self.size))
+        while waiting:
+            for rank in sorted(waiting):
+                key = f"join/{rank}"
+                if self.store.check([key]):
+                    presented = self.store.get(key).decode()
+                    self.store.delete_key(key)
+                    ok = secrets.compare_digest(presented, self.token)
+                    self.store.set(f"verdict/{rank}/{presented[:8]}", "ok" if ok else "refused")
+                    if ok:
+                        waiting.discard(rank)
+                    else:
+                        log.warning("weights group: refused a member at rank %d (wrong token)", rank)
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"weights group: inference ranks {sorted(waiting)} did not join within weights.timeout_s="
+                    f"{timeout_s:.0f}s (see logs/inference-*.log)"
+                )
+            time.sleep(0.01)
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([t], opts).wait()
+
+    def publish(self, version: int, tensors: NamedTensors) -> int:
+        stream = iter(tensors)
+        if self.layout is None:  # the first update fixes the layout; later ones stream in the same order
+            first = list(stream)
+            self.layout = [(n, list(t.shape), str(t.dtype)) for n, t in first]
+            self.store.set("layout", json.dumps({"tensors": self.layout, "bucket_bytes": self.bucket_bytes}))
+            self.buckets = _bucketize(self.layout, self.bucket_bytes)
+            stream = iter(first)
+        self._broadcast(torch.tensor([version, 1], dtype=torch.int64, device=self.device))
+        sent = 0
+        for bucket in self.buckets:
+            parts = []
+            for i in bucket:
+                name, t = next(stream)
+                if name != self.layout[i][0]:
+                    raise RuntimeError(f"weights stream out of order: got {name}, expected {self.layout[i][0]}")
+                parts.append(t.detach().reshape(-1).to(self.device))
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+            self._broadcast(flat)
+            sent += flat.numel() * flat.element_size()
+            del parts, flat
+        return sent
+
+    def close(self) -> None:
+        try:
+            self._broadcast(torch.tensor([-1, 0], dtype=torch.int64, device=self.device))
+        except Exception as e:  # receivers already gone: nothing to tell them
+            log.warning("weights group: shutdown message not delivered: %s", e)
+
+
+class BroadcastReceiver(WeightsReceiver):
+    """An inference worker's end of the weights group. A background thread receives every update as it is broadcast
+    (so the trainer never waits for a generation to finish); `poll` hands the newest one to the worker's loop."""
+
+    def __init__(self, run: RunDir, rank: int, timeout_s: float, attempt: str, token: Optional[str] = None):
+        path = run.rendezvous / "weights.json"
+
+        def current():
+            info = read_json(path)
+            return info if info and info.get("attempt") == attempt else None
+
+        info = wait_for(current, timeout_s, f"the weights group rendezvous ({path})", poll_s=0.2)
+        self.backend = info["backend"]
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(info["host"], info["port"], info["world_size"], False, timeout=timeout)
+        token = info["token"] if token is None else token
+        self.store.set(f"join/{rank}", token)
+        verdict_key = f"verdict/{rank}/{token[:8]}"
+        self.store.wait([verdict_key], timeout)
+        if self.store.get(verdict_key).decode() != "ok":
+            raise PermissionError("weights group refused this worker: wrong token (stale rendezvous/weights.json?)")
+        self.group = _make_group(dist.PrefixStore(f"rlhpc/{token}", self.store), rank, info["world_size"], self.backend, timeout)
+        self._lock = threading.Lock()
+        self._latest: Optional[Update] = None
+        self._closed = False
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="weights-receiver", daemon=True)
+        self._thread.start()
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([t], opts).wait()
+
+    def _run(self) -> None:
+        try:
+            layout = None
+            while True:
+                header = torch.zeros(2, dtype=torch.int64, device=self.device)
+                self._broadcast(header)
+                version, kind = header.tolist()
+                if kind == 0:
+                    break
+                if layout is None:  # fixed by the first update
+                    info = json.loads(self.store.get("layout"))
+                    layout = [(n, s, d) for n, s, d in info["tensors"]]
+                    buckets = _bucketize(layout, info["bucket_bytes"])
+                tensors: List[Tuple[str, torch.Tensor]] = []
+                for bucket in buckets:
+                    dtype = _DTYPES[layout[bucket[0]][2]]
+                    flat = torch.empty(sum(_numel(layout[i][1]) for i in bucket), dtype=dtype, device=self.device)
+                    self._broadcast(flat)
+                    for (name, shape, _), part in zip(
+                        (layout[i] for i in bucket), flat.split([_numel(layout[i][1]) for i in bucket])
+                    ):
+                        tensors.append((name, part.view(shape)))
+                with self._lock:
+                    self._latest = Update(version, tensors)
+        except BaseException as e:  # noqa: BLE001 - reported to the worker loop through `error`
+            self.error = e
+        finally:
+            self._closed = True
+
+    def poll(self) -> Optional[Update]:
+        if self.error is not None:
+            raise RuntimeError(f"weights group failed: {self.error}") from self.error
+        with self._lock:
+            update, self._latest = self._latest, None
+        return update
+
+    def closed(self) -> bool:
+        return self._closed and self._latest is None
+
+    def close(self) -> None:
+        self._thread.join(timeout=1.0)
