@@ -48,17 +48,44 @@ class EnvConfig:
 
 @dataclass
 class AlgoConfig:
+    # The policy loss: a registered name (rlhpc.loss.names(): grpo, dr_grpo, dapo, gspo, cispo, aipo) or an import
+    # path "package.module:function". docs/algorithms.md gives each formula.
     name: str = "grpo"
-    # Completions per task; the advantage baseline is the group mean.
+    # Completions per task; the advantage baseline is computed within the group.
     group_size: int = 8
     temperature: float = 1.0
+    # Clip range of the importance ratio: [1 - clip_low, 1 + clip_high] (GRPO/DAPO/GSPO: the PPO clip; CISPO: the
+    # bounds of its stop-gradient weight).
     clip_low: float = 0.2
     clip_high: float = 0.2
     # Divide advantages by the group's reward std (GRPO); False is Dr. GRPO's choice.
     std_normalize: bool = False
-    # Loss normalization: "token" (mean over all loss tokens of the step) or "sequence".
+    # Advantage baseline: "mean" (the group mean, GRPO) or "loo" (the mean of the other completions, RLOO).
+    baseline: str = "mean"
+    # Linear length penalty subtracted from the reward: length_penalty * completion_tokens / env.max_new_tokens (0: off).
+    length_penalty: float = 0.0
+    # DAPO overlong shaping: over the last `overlong_buffer` fraction of env.max_new_tokens the reward falls linearly,
+    # reaching -1 at the limit (0: off; DAPO used 4096 of 20480 tokens, 0.2).
+    overlong_buffer: float = 0.0
+    # DAPO dynamic sampling: workers drop groups whose rewards are all equal (zero advantage, no learning signal).
+    dynamic_sampling: bool = False
+    # Loss normalization: "token" (mean over all loss tokens of the step), "sequence" (mean over sequences of each
+    # sequence's token mean) or "constant" (token sum / (sequences * env.max_new_tokens), Dr. GRPO).
     normalize: str = "token"
-    # Extra keyword arguments of the chosen loss.
+    # Off-policy correction for the trainer/inference mismatch and staleness: a stop-gradient importance weight
+    # pi/mu on every token, per "token" or per "sequence" (product of the token ratios); "none" turns it off.
+    is_level: str = "none"
+    # "truncate": clamp the weight into [is_low, is_high]; "mask": zero it outside [is_low, is_high].
+    is_mode: str = "truncate"
+    is_low: float = 0.0
+    is_high: float = 2.0
+    # AIPO: cap delta of its per-token truncated importance weight min(pi/mu, delta).
+    aipo_delta: float = 2.0
+    # Weight of the k3 estimate of KL(pi || reference) per token (needs reference logprobs; 0: off).
+    ref_kl_coef: float = 0.0
+    # Weight of the squared log-ratio to the inference policy, 0.5 * (log pi - log mu)^2, per token (0: off).
+    inference_kl_coef: float = 0.0
+    # Extra keyword arguments of a user-supplied loss.
     args: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -105,6 +132,7 @@ class TrainerConfig:
 
 @dataclass
 class InferenceConfig:
+    # "hf" (transformers, the embedded default) or "vllm" (rlhpc.engines.vllm; see docs/vllm.md).
     engine: str = "hf"
     num_workers: int = 2
     # Tasks per generation call; each call publishes one queue file holding that many groups.
@@ -112,13 +140,38 @@ class InferenceConfig:
     threads: int = 1
     # Seconds a worker waits for the first weights (SFT runs first on the trainer).
     startup_timeout_s: float = 900.0
-    # vLLM-only settings (ignored by the transformers engine).
+    # ---- vLLM-only settings (ignored by the transformers engine) ----
     tensor_parallel_size: int = 1
+    # GPU: share of GPU memory vLLM may take (weights + KV cache). Not used on CPU, where vLLM reads it as a share of
+    # host memory: there `kv_cache_gb` sizes the KV cache.
     gpu_memory_utilization: float = 0.85
+    # Clamped to the model's max_position_embeddings.
     max_model_len: int = 4096
     enforce_eager: bool = True
+    # "fp8": weights quantized to FP8 when loaded (GPU only); updates then take the reload path, which re-quantizes.
     quantization: Optional[str] = None
+    # "fp8" (or "fp8_e4m3", "fp8_e5m2"): FP8 KV cache (GPU only).
     kv_cache_dtype: str = "auto"
+    # KV cache size in GiB; 0 means: sized from gpu_memory_utilization on GPU, 0.25 GiB on CPU.
+    kv_cache_gb: float = 0.0
+    # Sequences decoded together; a generation call of groups_per_batch * group_size sequences should fit in one.
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    # Apply new weights between two decode steps of a running generation (requests and their KV cache are kept), not
+    # only between generations. Needs the worker to hand the engine its receiver (docs/vllm.md).
+    inflight_updates: bool = True
+    # How new weights land: "auto" (in-place load_weights on GPU, the reload path on CPU or with quantization),
+    # "reload" (vLLM reload_weights: re-runs the loader's post-processing, e.g. CPU repacking, FP8 quantization), or
+    # "inplace" (GPU only).
+    weight_update: str = "auto"
+    # vLLM engines (inference workers) per node; with local rank i an engine uses GPUs [i*tp, (i+1)*tp) where
+    # tp = tensor_parallel_size (GPU only; cluster.inference.tasks_per_node should match).
+    engines_per_node: int = 1
+    # Prefill/decode disaggregation: vLLM's kv_transfer_config, e.g. {kv_connector: NixlConnector, kv_role: kv_both};
+    # empty: off (GPU only).
+    kv_transfer_config: Dict[str, Any] = field(default_factory=dict)
+    # Further vLLM EngineArgs, passed as given; they override everything above.
+    engine_args: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -149,35 +202,56 @@ class EvalConfig:
 
 @dataclass
 class SlurmGroupConfig:
+    """The Slurm resources of one role: one component of the heterogeneous job (trainer: 0, inference: 1)."""
+
     nodes: int = 1
-    tasks_per_node: int = 1
+    # Tasks (role processes) per node; 0 derives it: trainer.num_ranks (or inference.num_workers) / nodes.
+    tasks_per_node: int = 0
     cpus_per_task: int = 1
     gpus_per_node: int = 0
+    # Memory per node in GB (0: the partition's default).
     mem_gb: int = 4
+    # Time limit of this component in minutes (0: cluster.time_min).
+    time_min: int = 0
+    # Further `#SBATCH --key=value` options of this component (e.g. {constraint: h100, exclusive: ""}).
+    extra: Dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
 class ClusterConfig:
+    """Where and how the Slurm launchers run the job (ignored by launcher=local)."""
+
     partition: str = ""
     account: str = ""
     qos: str = ""
+    # Job name in squeue/sacct ("": rlhpc-<exp_name>).
+    job_name: str = ""
+    # Time limit of the job in minutes.
     time_min: int = 60
-    # Seconds before the time limit at which Slurm sends the checkpoint signal.
+    # Seconds before the time limit at which Slurm sends SIGUSR1 to the batch shell (forwarded to the roles: the
+    # trainer checkpoints and the job requeues). Slurm may send it up to a minute early.
     grace_s: int = 120
     trainer: SlurmGroupConfig = field(default_factory=SlurmGroupConfig)
-    inference: SlurmGroupConfig = field(default_factory=lambda: SlurmGroupConfig(tasks_per_node=2))
+    inference: SlurmGroupConfig = field(default_factory=SlurmGroupConfig)
+    # Shell lines run in the batch script before the roles start (module load, conda activate, exports).
     setup: List[str] = field(default_factory=list)
+    # The Python on the compute nodes ("": the one running the launcher).
+    python: str = ""
+    # Requeue the job when the trainer checkpointed on a signal (time limit, `scancel --signal=USR1 --batch`).
     requeue: bool = True
 
 
 @dataclass
 class LauncherConfig:
+    # local | slurm (one heterogeneous job through submitit) | sbatch (the same job script through the sbatch command)
     name: str = "local"
-    # Wait for the run to end and stream progress (Slurm launchers return the job id at once otherwise).
+    # Wait for the run to end and stream progress (the Slurm launchers return the job id at once otherwise).
     wait: bool = True
-    # Seconds the launcher waits for the whole run before ending it (0: no limit).
+    # Seconds the launcher waits for the whole run before ending it (0: no limit; Slurm: the job is cancelled).
     timeout_s: float = 0.0
     progress: bool = True
+    # Slurm launchers: submit the job script; false only writes it to run_dir/job.sbatch (to submit by hand).
+    submit: bool = True
 
 
 @dataclass

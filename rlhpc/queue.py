@@ -5,6 +5,7 @@
     queue/retired/<step>/                        trained steps, when `queue.keep_retired` (otherwise deleted)
     queue/dropped/                               files too stale to train on (counted, kept for inspection)
     queue/quarantine/                            unreadable files, each with a .reason file beside it
+    queue/inflight/<producer>                    a batch a worker is generating now (counted by back-pressure)
     queue/progress.json                          {claimed: steps claimed so far, version: newest weights version}
     queue/ledger.jsonl                           one line per trained step: the group uids it trained on
 
@@ -181,7 +182,8 @@ class Queue:
         self.retired = self.root / "retired"
         self.dropped = self.root / "dropped"
         self.quarantine = self.root / "quarantine"
-        for p in (self.pending, self.steps, self.retired, self.dropped, self.quarantine):
+        self.inflight = self.root / "inflight"
+        for p in (self.pending, self.steps, self.retired, self.dropped, self.quarantine, self.inflight):
             p.mkdir(parents=True, exist_ok=True)
 
     # ---- producers -------------------------------------------------------------------------------------------------
@@ -191,6 +193,16 @@ class Queue:
         path = self.pending / f"{producer}-{seq:08d}{SUFFIX}"
         atomic_write(path, batch.to_bytes(producer))
         return path
+
+    def begin_batch(self, producer: str) -> None:
+        """Announces a batch being generated, so other producers count it before it is published."""
+        (self.inflight / producer).touch()
+
+    def end_batch(self, producer: str) -> None:
+        (self.inflight / producer).unlink(missing_ok=True)
+
+    def inflight_batches(self, exclude: str = "") -> int:
+        return sum(1 for p in self.inflight.iterdir() if p.name != exclude)
 
     def pending_files(self) -> List[Path]:
         """Pending files, oldest first. The folder holds only what is not yet claimed, so this stays small."""

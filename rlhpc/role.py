@@ -54,13 +54,29 @@ def setup_logging(run: RunDir, ident: Identity, level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt, stream=sys.stderr, force=True)
 
 
+# Exit code of a trainer that checkpointed because it was asked to stop: "requeue me" (EX_TEMPFAIL).
+REQUEUE_EXIT = 75
+
+
 class Stop(Exception):
-    """Raised in a role's main thread when the process is asked to stop (SIGTERM/SIGINT/SIGUSR1)."""
+    """Raised where a role stops waiting because the process was asked to stop."""
+
+
+_stop_signal: list = []
+
+
+def stop_requested() -> str | None:
+    """The name of the signal that asked this process to stop (SIGTERM/SIGINT/SIGUSR1), or None. Roles check it at
+    safe points (step boundaries, waits); a second signal stops at once."""
+    return _stop_signal[0] if _stop_signal else None
 
 
 def install_stop_handlers() -> None:
     def handler(signum, frame):  # noqa: ARG001
-        raise Stop(signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if _stop_signal:
+            raise Stop(f"{name} (second signal)")
+        _stop_signal.append(name)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, handler)
@@ -78,7 +94,9 @@ def main() -> int:
         if ident.role == "trainer":
             from rlhpc.trainer import run_trainer
 
-            run_trainer(cfg, ident, run)
+            if run_trainer(cfg, ident, run) == "requeue":
+                log.warning("checkpointed after %s; exiting with %d (requeue)", stop_requested(), REQUEUE_EXIT)
+                return REQUEUE_EXIT
         elif ident.role == "inference":
             from rlhpc.inference import run_worker
 
@@ -90,11 +108,20 @@ def main() -> int:
         return 143
     except BaseException as e:
         log.exception("%s rank %d failed", ident.role, ident.rank)
-        write_json(run.failed, {"role": ident.role, "rank": ident.rank, "error": repr(e)}, durable=False)
+        if not run.failed.exists():  # the first failure is the cause; later ones are consequences
+            write_json(run.failed, {"role": ident.role, "rank": ident.rank, "error": repr(e)}, durable=False)
         return 1
     log.info("%s rank %d finished", ident.role, ident.rank)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module, not __main__: the stop flag must be the one the roles import.
+    from rlhpc import role as _role
+
+    code = _role.main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: a communication thread blocked inside gloo/NCCL would abort the process there.
+    os._exit(code)

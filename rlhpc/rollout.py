@@ -35,7 +35,7 @@ def generate_groups(
     groups = []
     for gi, (task, prompt, comps) in enumerate(zip(tasks, prompts, outs)):
         rewards = torch.tensor([env.reward(task, tokenizer.decode(c.tokens, skip_special_tokens=True)) for c in comps])
-        adv = group_advantages(rewards, algo)
+        adv = group_advantages(rewards, torch.tensor([len(c.tokens) for c in comps]), algo, max_new_tokens)
         for c, a in zip(comps, adv.tolist()):
             tokens.append(torch.as_tensor(prompt + c.tokens, dtype=torch.long))
             logprobs.append(torch.cat([torch.zeros(len(prompt)), torch.as_tensor(c.logprobs, dtype=torch.float32)]))

@@ -16,6 +16,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from rlhpc import checkpoint
 from rlhpc import env as env_mod
 from rlhpc import loss as loss_mod
 from rlhpc import models
@@ -25,7 +26,7 @@ from rlhpc.engines.hf import HFEngine
 from rlhpc.loss import LossInputs
 from rlhpc.metrics import Metrics
 from rlhpc.queue import Claim, Queue, RolloutBatch
-from rlhpc.role import Identity
+from rlhpc.role import Identity, Stop, stop_requested
 from rlhpc.rollout import evaluate
 from rlhpc.rundir import RunDir, read_json, wait_for, write_json
 from rlhpc.sft import make_optimizer, sft_train
@@ -34,8 +35,8 @@ from rlhpc.weights import BroadcastSender, FilesystemSender, WeightsSender, writ
 log = logging.getLogger(__name__)
 
 
-def run_trainer(cfg: Config, ident: Identity, run: RunDir) -> None:
-    Trainer(cfg, ident, run).train()
+def run_trainer(cfg: Config, ident: Identity, run: RunDir) -> str:
+    return Trainer(cfg, ident, run).train()
 
 
 class Trainer:
@@ -63,22 +64,39 @@ class Trainer:
 
     # ---- the main loop -------------------------------------------------------------------------------------------
 
-    def train(self) -> None:
+    def train(self) -> str:
+        """Runs to the last step ("done") or, when asked to stop, checkpoints and returns "requeue"."""
         t_start = time.time()
+        cfg = self.cfg
         self.prepare_model()
         self.tokenizer = models.load_tokenizer(self.run.model)
-        self.model = self.wrap(models.load_model(self.run.model, self.cfg.model.dtype).to(self.device))
-        self.optimizer = make_optimizer(self.model.parameters(), self.cfg.trainer.optim)
-        self.eval_tasks = list(islice(self.env.tasks("eval", 0), self.cfg.eval.num_tasks))
+        self.model = self.wrap(models.load_model(self.run.model, cfg.model.dtype).to(self.device))
+        self.optimizer = make_optimizer(self.model.parameters(), cfg.trainer.optim)
+        warmup = max(cfg.trainer.optim.warmup_steps, 0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+        self.eval_tasks = list(islice(self.env.tasks("eval", 0), cfg.eval.num_tasks))
+        start, curve = 0, [(0, self.summary["heldout_reward_sft"])]
+        resume_from = checkpoint.latest(self.run.checkpoints)
+        if resume_from is not None:
+            state = checkpoint.load(resume_from, self.model, self.optimizer, self.scheduler)
+            start, curve = state["step"], [tuple(x) for x in state["eval_curve"]]
+            self.summary["resumed_at"] = self.summary.get("resumed_at", []) + [start]
+        steps = cfg.trainer.steps
         if self.is_main:
             self.eval_engine = HFEngine(self.model if self.world == 1 else models.load_model(self.run.model), self.tokenizer.pad_token_id)
+            self.queue.truncate_ledger(before_step=start)
+            self.queue.set_progress(claimed=start, version=start)
             self.sender = self.make_sender()
-            self.queue.set_progress(claimed=0, version=0)
+        if start > 0:  # workers start from run_dir/model (version 0): bring them to the resumed version
+            self.publish(start, eval_due=self.world > 1)
         t_rl = time.time()
-        steps = self.cfg.trainer.steps
-        curve: List[Tuple[int, float]] = [(0, self.summary["heldout_reward_sft"])] if self.is_main else []
-        for step in range(steps):
-            claim = self.claim(step)
+        for step in range(start, steps):
+            if stop_requested():
+                return self.stop(step, curve)
+            try:
+                claim = self.claim(step)
+            except Stop:
+                return self.stop(step, curve)
             if self.is_main:  # workers size their next batch by this
                 self.queue.set_progress(claimed=step + 1, version=step)
             stats = self.train_step(step, claim.batch)
@@ -88,29 +106,33 @@ class Trainer:
             if self.is_main:
                 self.queue.set_progress(claimed=step + 1, version=step + 1)
                 self.queue.record(step, claim)
-                self.queue.retire_before(step + 1, keep=self.cfg.queue.keep_retired)
                 if self.eval_due(step + 1):
-                    r = evaluate(self.eval_engine, self.env, self.tokenizer, self.eval_tasks, self.cfg.env.max_new_tokens)
+                    r = evaluate(self.eval_engine, self.env, self.tokenizer, self.eval_tasks, cfg.env.max_new_tokens)
                     curve.append((step + 1, r))
                     stats["eval/heldout_reward"] = r
                     log.info("step %d held-out reward %.3f", step + 1, r)
                 stats.update(self.claim_stats(step, claim))
+                stats["lr"] = self.scheduler.get_last_lr()[0]
                 self.metrics.log(step + 1, stats)
                 self.run.heartbeat("trainer", self.rank, step=step + 1, steps=steps, reward=stats["rollout/reward"],
                                    heldout=curve[-1][1], loss=stats["loss/total"])
+            iv = cfg.trainer.checkpoint_interval
+            if iv and (step + 1) % iv == 0 and step + 1 < steps:
+                self.save_checkpoint(step + 1, curve)
+            elif not iv and self.is_main:  # no checkpoint to resume from: trained steps are never read again
+                self.queue.retire_before(step + 1, keep=cfg.queue.keep_retired)
         if self.is_main:
             rl_time = time.time() - t_rl
-            final = curve[-1][1] if curve and curve[-1][0] == steps else evaluate(
-                self.eval_engine, self.env, self.tokenizer, self.eval_tasks, self.cfg.env.max_new_tokens)
-            if not curve or curve[-1][0] != steps:
-                curve.append((steps, final))
+            if curve[-1][0] != steps:
+                curve.append((steps, evaluate(self.eval_engine, self.env, self.tokenizer, self.eval_tasks, cfg.env.max_new_tokens)))
             self.summary.update(
-                heldout_reward_rl=final, rl_steps=steps, rl_wall_time_s=rl_time,
-                trainer_wall_time_s=time.time() - t_start, eval_curve=curve, exp_name=self.cfg.exp_name,
-                async_level=self.cfg.async_level, algo=self.cfg.algo.name,
+                heldout_reward_rl=curve[-1][1], rl_steps=steps, rl_wall_time_s=rl_time,
+                trainer_wall_time_s=time.time() - t_start, eval_curve=curve, exp_name=cfg.exp_name,
+                async_level=cfg.async_level, algo=cfg.algo.name,
             )
-            if self.cfg.trainer.export_final:
-                self.export(self.run.checkpoints / "final")
+        if cfg.trainer.export_final:
+            self.export(self.run.checkpoints / "final")
+        if self.is_main:
             write_json(self.run.summary, self.summary)
             write_json(self.run.done, {"time": time.time(), "steps": steps})
             self.sender.close()
@@ -118,6 +140,22 @@ class Trainer:
         if self.world > 1:
             dist.barrier()
             dist.destroy_process_group()
+        return "done"
+
+    def save_checkpoint(self, next_step: int, curve) -> None:
+        checkpoint.save(self.run.checkpoints, next_step, self.model, self.optimizer, self.scheduler,
+                        {"eval_curve": curve})
+        if self.is_main:
+            self.queue.retire_before(next_step, keep=self.cfg.queue.keep_retired)
+
+    def stop(self, next_step: int, curve) -> str:
+        """Asked to stop (preemption, time limit, Ctrl-C): checkpoint at the step boundary, tell the launcher to requeue."""
+        log.warning("stop requested (%s): checkpointing at step %d", stop_requested(), next_step)
+        self.save_checkpoint(next_step, curve)
+        if self.is_main:
+            write_json(self.run.status / "REQUEUE", {"step": next_step, "signal": stop_requested(), "time": time.time()})
+            self.metrics.close()
+        return "requeue"
 
     def eval_due(self, version: int) -> bool:
         iv = self.cfg.eval.interval
@@ -176,7 +214,11 @@ class Trainer:
     # ---- one step ---------------------------------------------------------------------------------------------------
 
     def claim(self, step: int) -> Claim:
-        abort = self.run_failed
+        def abort() -> Optional[str]:
+            if stop_requested():
+                raise Stop(stop_requested())
+            return self.run_failed()
+
         timeout = self.cfg.trainer.rollout_timeout_s
         if self.is_main:
             return self.queue.claim(step, self.cfg.trainer.groups_per_step, step - self.cfg.async_level, timeout, abort=abort)
@@ -238,6 +280,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.trainer.optim.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         self.optimizer.step()
+        self.scheduler.step()
         stats = {"loss/total": sums.get("loss/total", 0.0)}
         for k_, v in sums.items():
             if k_ != "loss/total":
@@ -294,10 +337,18 @@ class Trainer:
         self.sender.publish(version, stream)
 
     def export(self, path) -> None:
-        """Hugging Face folder (safetensors, config, tokenizer) of the current weights."""
-        model = self.model if self.world == 1 else self.eval_engine.model
-        model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        """Hugging Face folder (safetensors, config, tokenizer) of the current weights. Collective with FSDP."""
+        if self.world > 1:  # gather the full weights into rank 0's plain copy
+            stream = self.full_state()
+            if self.is_main:
+                self.eval_engine.update_weights(stream)
+            else:
+                for _ in stream:
+                    pass
+        if self.is_main:
+            model = self.model if self.world == 1 else self.eval_engine.model
+            model.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
 
 
 def _float_pad(seqs: List[torch.Tensor]) -> torch.Tensor:

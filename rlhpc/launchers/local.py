@@ -111,12 +111,12 @@ class LocalLauncher:
                 if stop["signal"] is not None:
                     print(f"\nstopping: received {signal.Signals(stop['signal']).name}; ending all roles", file=sys.stderr)
                     return 130 if stop["signal"] == signal.SIGINT else 143
-                for p in self.procs:
-                    rc = p.popen.poll()
-                    if rc not in (None, 0):
-                        print(f"\n{p.name} exited with code {rc}; ending the others. Last lines of "
-                              f"{run.log_file(p.role, p.rank)}:\n{tail(run.log_file(p.role, p.rank))}", file=sys.stderr)
-                        return 1
+                failed = [p for p in self.procs if p.popen.poll() not in (None, 0)]
+                if failed:
+                    p = self.cause(run, failed[0])
+                    print(f"\n{p.name} exited with code {p.popen.poll()}; ending the others. Last lines of "
+                          f"{run.log_file(p.role, p.rank)}:\n{tail(run.log_file(p.role, p.rank))}", file=sys.stderr)
+                    return 1
                 if all(p.popen.poll() == 0 for p in trainers):
                     # Workers see status/DONE and exit on their own; give them a moment, then end them.
                     deadline = time.time() + 30
@@ -138,6 +138,16 @@ class LocalLauncher:
         finally:
             if bar:
                 bar.close()
+
+    def cause(self, run: RunDir, first: Proc) -> Proc:
+        """The role whose failure started it all (status/FAILED names the first), else the first seen dead."""
+        time.sleep(0.5)  # let the failing role's marker land
+        info = read_json(run.failed)
+        if info:
+            for p in self.procs:
+                if (p.role, p.rank) == (info["role"], info["rank"]):
+                    return p
+        return first
 
     def end_all(self, grace_s: float = 10.0) -> None:
         """SIGTERM to each role's process group, then SIGKILL what is left after `grace_s`."""

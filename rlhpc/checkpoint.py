@@ -1,0 +1,88 @@
+"""Trainer checkpoints that resume exactly: torch.distributed.checkpoint (sharded, so a checkpoint written by N ranks
+loads on M) for the model and optimizer, plus per-rank RNG state and the trainer's own state (next step, LR schedule,
+evaluation curve). `checkpoints/latest.json` points at the newest complete checkpoint; it is written last, atomically,
+so a checkpoint interrupted half-way is never resumed from.
+
+    checkpoints/step_00000012/   DCP files (model, optim), rng-<rank>.pt, trainer.json
+    checkpoints/latest.json      {"step": 12, "path": "step_00000012"}
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from rlhpc.rundir import read_json, write_json
+
+log = logging.getLogger(__name__)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+         trainer_state: Dict[str, Any], keep: int = 2) -> Path:
+    """Collective over the trainer world: every rank calls it."""
+    path = root / f"step_{step:08d}"
+    if _rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    _barrier()
+    msd, osd = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group" on one rank is expected
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, path / f"rng-{_rank()}.pt")
+    _barrier()
+    if _rank() == 0:
+        write_json(path / "trainer.json", {**trainer_state, "step": step, "scheduler": scheduler.state_dict()})
+        write_json(root / "latest.json", {"step": step, "path": path.name})
+        done = sorted(p for p in root.glob("step_*") if p.is_dir() and p != path)
+        for old in done[: max(0, len(done) - (keep - 1))]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint of step %d written to %s", step, path)
+    _barrier()
+    return path
+
+
+def latest(root: Path) -> Optional[Path]:
+    info = read_json(root / "latest.json")
+    return root / info["path"] if info else None
+
+
+def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> Dict[str, Any]:
+    """Loads into the (already wrapped) model and optimizer; returns the trainer state. Works on any number of ranks."""
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    trainer_state = read_json(path / "trainer.json")
+    scheduler.load_state_dict(trainer_state.pop("scheduler"))
+    rng_file = path / f"rng-{_rank()}.pt"
+    if rng_file.exists():  # absent when resuming on more ranks than wrote the checkpoint
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    log.info("resumed from %s (next step %d)", path, trainer_state["step"])
+    return trainer_state

@@ -1,0 +1,70 @@
+"""Config: composition on the typed schema, and errors that name the key before anything starts."""
+
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from rlhpc import config as config_mod
+from rlhpc.config import ConfigError, to_typed, validate
+from rlhpc.launch import CONF_DIR
+
+
+def composed(*overrides):
+    config_mod.register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return to_typed(compose(config_name="config", overrides=list(overrides)))
+
+
+def test_the_quick_start_experiment_composes_to_typed_values():
+    cfg = composed("+exp=reverse_text", "run_dir=/tmp/x")
+    assert cfg.exp_name == "reverse_text"
+    assert cfg.env.name == "reverse_text" and cfg.model.arch == "qwen3"
+    assert isinstance(cfg.trainer.optim.lr, float) and cfg.sft.steps > 0
+    validate(cfg)
+
+
+def test_an_unknown_key_fails_at_composition_naming_the_key():
+    with pytest.raises(Exception, match="trainer.stepz"):
+        composed("+exp=reverse_text", "trainer.stepz=3")
+
+
+def test_a_value_of_the_wrong_type_fails_naming_the_key():
+    with pytest.raises(Exception, match="trainer.steps"):
+        composed("trainer.steps=many")
+
+
+def test_a_value_out_of_range_fails_validation_naming_the_key():
+    cfg = composed("run_dir=/tmp/x", "algo.group_size=1")
+    with pytest.raises(ConfigError, match="algo.group_size"):
+        validate(cfg)
+
+
+def test_a_batch_that_does_not_split_into_whole_queue_files_is_refused():
+    cfg = composed("run_dir=/tmp/x", "trainer.groups_per_step=12", "inference.groups_per_batch=8")
+    with pytest.raises(ConfigError, match="trainer.groups_per_step"):
+        validate(cfg)
+
+
+def test_an_unknown_choice_names_the_key_and_the_choices():
+    cfg = composed("run_dir=/tmp/x", "weights.transport=carrier_pigeon")
+    with pytest.raises(ConfigError, match="weights.transport.*broadcast, filesystem"):
+        validate(cfg)
+
+
+def test_the_launch_command_fails_on_a_wrong_key_before_any_process_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhpc.launch", "+exp=reverse_text", f"run_dir={run_dir}", "trainer.lr=0.1"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode != 0
+    assert "trainer.lr" in proc.stderr
+    assert not run_dir.exists()  # nothing was started or written
+
+
+def test_a_saved_config_loads_back_identically(tmp_path):
+    cfg = composed("+exp=reverse_text", f"run_dir={tmp_path}", "seed=7")
+    config_mod.save(cfg, tmp_path / "config.yaml")
+    assert config_mod.load(tmp_path) == cfg

@@ -1,0 +1,106 @@
+"""The local launcher as a user meets it: failures, signals, run directories, resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+SMALL = ["+exp=reverse_text", "sft.steps=5", "eval.num_tasks=8", "eval.interval=0", "launcher.progress=false",
+         "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1"]
+
+
+def launch(run_dir, *overrides, timeout=240, env=None, **kw):
+    return subprocess.run(
+        [sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", *overrides],
+        capture_output=True, text=True, timeout=timeout, env=env, **kw,
+    )
+
+
+def rlhpc_processes(run_dir) -> list:
+    """PIDs of role processes started for `run_dir` (found by their environment)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if f"RLHPC_RUN_DIR={run_dir}".encode() in environ:
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.slow
+def test_a_crashing_role_stops_the_others_and_the_launcher_shows_its_log(tmp_path):
+    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "env.cls=crashing_env:CrashInWorkers", "trainer.steps=50", env=env)
+    assert proc.returncode == 1
+    assert "inference-" in proc.stderr and "exited with code 1" in proc.stderr
+    assert "reward model exploded" in proc.stderr  # the tail of the failed role's log
+    assert rlhpc_processes(run_dir) == []
+
+
+@pytest.mark.slow
+def test_sigint_ends_every_process_the_launcher_started(tmp_path):
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", "trainer.steps=10000"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(rlhpc_processes(run_dir)) < 3:
+        time.sleep(0.2)
+    assert len(rlhpc_processes(run_dir)) == 3
+    time.sleep(2)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130
+    assert "SIGINT" in err
+    assert rlhpc_processes(run_dir) == []
+
+
+@pytest.mark.slow
+def test_a_finished_run_directory_is_not_overwritten_unless_asked(tmp_path):
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, "trainer.steps=2")
+    assert first.returncode == 0, first.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    again = launch(run_dir, "trainer.steps=2")
+    assert again.returncode == 2
+    assert "already holds a finished run" in again.stderr and "overwrite=true" in again.stderr
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    replaced = launch(run_dir, "trainer.steps=3", "overwrite=true")
+    assert replaced.returncode == 0, replaced.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["rl_steps"] == 3
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_sigterm_resumes_from_its_checkpoint_and_trains_each_group_once(tmp_path):
+    run_dir = tmp_path / "run"
+    steps = 60
+    args = [sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", f"trainer.steps={steps}"]
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ledger = run_dir / "queue" / "ledger.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and (not ledger.exists() or len(ledger.read_text().splitlines()) < 3):
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=60)
+    stopped_at = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
+    assert 3 <= stopped_at < steps
+    assert not (run_dir / "summary.json").exists()
+
+    resumed = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_at"] == [stopped_at] and summary["rl_steps"] == steps
+    entries = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert [e["step"] for e in entries] == list(range(steps))
+    uids = [u for e in entries for u in e["groups"]]
+    assert len(uids) == len(set(uids))

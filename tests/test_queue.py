@@ -1,0 +1,167 @@
+"""The queue contract of DESIGN.md: atomic publish, durable claims, staleness, quarantine, bounded cost."""
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from rlhpc.queue import Group, Queue, RolloutBatch
+
+
+def make_batch(num_groups=2, group_size=3, version=0, prompt_len=4, completion_len=5, tag="g"):
+    tokens, logprobs, mask, adv, group_of, lengths, groups = [], [], [], [], [], [], []
+    for g in range(num_groups):
+        for s in range(group_size):
+            n = prompt_len + completion_len + s
+            tokens.append(torch.arange(n) + 100 * g)
+            logprobs.append(torch.cat([torch.zeros(prompt_len), -torch.rand(n - prompt_len)]))
+            mask.append(torch.cat([torch.zeros(prompt_len, dtype=torch.bool), torch.ones(n - prompt_len, dtype=torch.bool)]))
+            adv.append(float(s) - 1.0)
+            group_of.append(g)
+            lengths.append(n)
+        groups.append(Group(uid=f"{tag}-{version}-{g}-{time.monotonic_ns()}", env="test", task_id=str(g), version=version,
+                            num_samples=group_size, rewards=[0.0] * group_size, truncated=[False] * group_size,
+                            min_version=version))
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return RolloutBatch(torch.cat(tokens), offsets, torch.cat(logprobs), torch.cat(mask), torch.tensor(adv),
+                        torch.tensor(group_of), groups)
+
+
+def test_a_published_file_round_trips_every_tensor_and_the_metadata(tmp_path):
+    q = Queue(tmp_path)
+    b = make_batch()
+    q.publish(b, "w0", 0)
+    claim = q.claim(0, num_groups=2, min_version=0, timeout_s=1)
+    got = claim.batch
+    for name in ("tokens", "offsets", "logprobs", "loss_mask", "advantages", "group_of"):
+        assert torch.equal(getattr(got, name), getattr(b, name)), name
+    assert [g.uid for g in got.groups] == [g.uid for g in b.groups]
+
+
+def test_readers_never_see_a_partial_file_while_a_producer_writes(tmp_path):
+    q = Queue(tmp_path)
+    big = make_batch(num_groups=40, group_size=8, completion_len=400)
+    stop = threading.Event()
+    seen_bad = []
+
+    def reader():
+        while not stop.is_set():
+            for p in q.pending_files():
+                try:
+                    RolloutBatch.from_bytes(p.read_bytes())
+                except FileNotFoundError:
+                    pass
+                except ValueError as e:
+                    seen_bad.append((p.name, e))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for seq in range(15):
+        q.publish(big, "w0", seq)
+    stop.set()
+    t.join()
+    assert seen_bad == []
+    assert not [p for p in q.pending.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_producers_never_collide_on_names(tmp_path):
+    q = Queue(tmp_path)
+    paths = {q.publish(make_batch(), p, s) for p in ("w0", "w1") for s in range(3)}
+    assert len(paths) == 6 and len(q.pending_files()) == 6
+
+
+def test_a_claim_is_durable_the_same_step_gets_the_same_groups_after_a_restart(tmp_path):
+    q = Queue(tmp_path)
+    for s in range(4):
+        q.publish(make_batch(version=0, tag=f"f{s}"), "w0", s)
+    first = q.claim(0, num_groups=4, min_version=0, timeout_s=1)
+    # A "restarted" trainer (new Queue object) resuming at step 0 trains on exactly the same groups.
+    again = Queue(tmp_path).claim(0, num_groups=4, min_version=0, timeout_s=1)
+    assert [g.uid for g in again.batch.groups] == [g.uid for g in first.batch.groups]
+    # The next step gets the remaining files: none lost, none twice.
+    nxt = Queue(tmp_path).claim(1, num_groups=4, min_version=0, timeout_s=1)
+    assert not {g.uid for g in nxt.batch.groups} & {g.uid for g in first.batch.groups}
+    assert len(nxt.batch.groups) == 4
+
+
+def test_a_claim_interrupted_before_its_manifest_keeps_the_files_it_had_moved(tmp_path):
+    q = Queue(tmp_path)
+    for s in range(2):
+        q.publish(make_batch(version=0, tag=f"f{s}"), "w0", s)
+    # Simulate a crash after moving one file into step 0 but before writing the manifest.
+    first = q.pending_files()[0]
+    q.step_dir(0).mkdir(parents=True)
+    os.replace(first, q.step_dir(0) / first.name)
+    claim = q.claim(0, num_groups=4, min_version=0, timeout_s=1)
+    assert len(claim.files) == 2 and first.name in claim.files
+    assert len(claim.batch.groups) == 4
+
+
+def test_groups_older_than_the_staleness_bound_are_dropped_and_counted(tmp_path):
+    q = Queue(tmp_path)
+    q.publish(make_batch(version=1, tag="old"), "w0", 0)
+    q.publish(make_batch(version=3, tag="new"), "w0", 1)
+    claim = q.claim(4, num_groups=2, min_version=3, timeout_s=1)  # step 4, async_level 1
+    assert claim.dropped_groups == 2
+    assert all(g.version == 3 for g in claim.batch.groups)
+    assert len(list(q.dropped.iterdir())) == 1
+
+
+def test_a_corrupt_or_truncated_file_is_quarantined_with_a_reason_and_the_claim_goes_on(tmp_path):
+    q = Queue(tmp_path)
+    good = q.publish(make_batch(tag="good"), "w0", 0)
+    data = good.read_bytes()
+    for name, content in (("w1-00000000.safetensors", data[: len(data) // 2]), ("w2-00000000.safetensors", b"garbage")):
+        (q.pending / name).write_bytes(content)  # truncated, garbage; older than the good file
+        os.utime(q.pending / name, ns=(1, 1))
+    claim = q.claim(0, num_groups=2, min_version=0, timeout_s=1)
+    assert claim.quarantined_files == 2
+    reasons = sorted(p.name for p in q.quarantine.glob("*.reason"))
+    assert reasons == ["w1-00000000.safetensors.reason", "w2-00000000.safetensors.reason"]
+    assert len(claim.batch.groups) == 2
+
+
+def test_a_claim_that_cannot_be_filled_times_out_naming_the_config_key(tmp_path):
+    q = Queue(tmp_path)
+    with pytest.raises(TimeoutError, match="trainer.rollout_timeout_s"):
+        q.claim(0, num_groups=1, min_version=0, timeout_s=0.2)
+
+
+def test_a_claim_stops_waiting_when_told_a_role_failed(tmp_path):
+    q = Queue(tmp_path)
+    with pytest.raises(RuntimeError, match="worker died"):
+        q.claim(0, num_groups=1, min_version=0, timeout_s=30, abort=lambda: "worker died")
+
+
+def test_retired_steps_leave_the_steps_folder_so_listing_cost_stays_bounded(tmp_path):
+    q = Queue(tmp_path)
+    for step in range(20):
+        q.publish(make_batch(num_groups=1, tag=f"s{step}"), "w0", step)
+        q.claim(step, num_groups=1, min_version=0, timeout_s=1)
+        q.retire_before(step + 1, keep=step % 2 == 0)
+    assert list(q.steps.iterdir()) == []
+    assert len(q.pending_files()) == 0
+    assert len(list(q.retired.iterdir())) == 10
+
+
+def test_the_ledger_records_each_trained_group_once_and_is_cut_back_on_resume(tmp_path):
+    q = Queue(tmp_path)
+    for step in range(3):
+        q.publish(make_batch(num_groups=1, tag=f"s{step}"), "w0", step)
+        q.record(step, q.claim(step, num_groups=1, min_version=0, timeout_s=1))
+    assert [e["step"] for e in q.ledger()] == [0, 1, 2]
+    q.truncate_ledger(before_step=1)
+    assert [e["step"] for e in q.ledger()] == [0]
+
+
+def test_metadata_is_json_in_the_safetensors_header(tmp_path):
+    q = Queue(tmp_path)
+    path = q.publish(make_batch(version=7), "w3", 9)
+    raw = path.read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    meta = json.loads(header["__metadata__"]["rlhpc"])
+    assert meta["producer"] == "w3" and {g["version"] for g in meta["groups"]} == {7}
