@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from rlhpc.config import AlgoConfig
+from rlhpc.config import AlgoConfig, ConfigError
 
 BASELINES = ("mean", "loo")
 
 
-def shaped_rewards(rewards: torch.Tensor, completion_tokens: torch.Tensor, cfg: AlgoConfig, max_tokens: int) -> torch.Tensor:
+def shaped_rewards(
+    rewards: torch.Tensor, completion_tokens: torch.Tensor, cfg: AlgoConfig, max_tokens: int
+) -> torch.Tensor:
     """float [G]: the rewards with the length terms of `algo` applied; completion_tokens: [G] generated token counts,
     max_tokens: the generation limit (env.max_new_tokens)."""
     r = rewards.to(torch.float32)
@@ -36,8 +38,7 @@ def group_advantages(
     The shaped reward minus the group mean (`algo.baseline=mean`) or minus the mean of the other G-1 completions
     (`loo`, RLOO), divided by the group's reward std when `algo.std_normalize`.
     """
-    if cfg.baseline not in BASELINES:
-        raise ValueError(f"config key `algo.baseline`: {cfg.baseline!r} is not one of {', '.join(BASELINES)}")
+    check(cfg)
     r = shaped_rewards(rewards, completion_tokens, cfg, max_tokens)
     g = r.numel()
     baseline = r.mean() if cfg.baseline == "mean" else (r.sum() - r) / (g - 1)
@@ -51,3 +52,17 @@ def keep_group(rewards: torch.Tensor, cfg: AlgoConfig) -> bool:
     """DAPO dynamic sampling (`algo.dynamic_sampling`): False for a group whose (task) rewards are all equal, whose
     advantages are zero (all solved or all failed); always True when dynamic sampling is off."""
     return not cfg.dynamic_sampling or bool(rewards.max() > rewards.min())
+
+
+def check(cfg: AlgoConfig) -> None:
+    """Checks the advantage keys of `algo`, for config.validate to call before anything starts; raises ConfigError
+    naming the key."""
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"config key `algo.{key}`: {msg}")
+
+    need(cfg.baseline in BASELINES, "baseline", f"{cfg.baseline!r} is not one of {', '.join(BASELINES)}")
+    buffer = cfg.overlong_buffer
+    need(0 <= buffer <= 1, "overlong_buffer", f"is a fraction of env.max_new_tokens, in [0, 1] (got {buffer})")
+    need(cfg.length_penalty >= 0, "length_penalty", f"must be >= 0 (got {cfg.length_penalty})")

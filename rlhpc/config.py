@@ -62,7 +62,7 @@ class AlgoConfig:
     std_normalize: bool = False
     # Advantage baseline: "mean" (the group mean, GRPO) or "loo" (the mean of the other completions, RLOO).
     baseline: str = "mean"
-    # Linear length penalty subtracted from the reward: length_penalty * completion_tokens / env.max_new_tokens (0: off).
+    # Length penalty subtracted from the reward: length_penalty * completion_tokens / env.max_new_tokens (0: off).
     length_penalty: float = 0.0
     # DAPO overlong shaping: over the last `overlong_buffer` fraction of env.max_new_tokens the reward falls linearly,
     # reaching -1 at the limit (0: off; DAPO used 4096 of 20480 tokens, 0.2).
@@ -292,7 +292,7 @@ class ConfigError(ValueError):
 _CHOICES = {
     "weights.transport": ("broadcast", "filesystem"),
     "inference.engine": ("hf", "vllm"),
-    "algo.normalize": ("token", "sequence"),
+    "algo.normalize": ("token", "sequence", "constant"),
     "launcher.name": ("local", "slurm", "sbatch"),
     "model.dtype": ("float32", "bfloat16", "float16"),
 }
@@ -332,6 +332,10 @@ def validate(cfg: Config) -> None:
     need(cfg.eval.num_tasks >= 1, "eval.num_tasks", "must be >= 1")
     need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
     need(cfg.env.max_new_tokens >= 1, "env.max_new_tokens", "must be >= 1")
+    from rlhpc import advantage, loss  # the algorithms check their own keys
+
+    loss.check(cfg.algo)
+    advantage.check(cfg.algo)
     need(
         cfg.cluster.grace_s < cfg.cluster.time_min * 60,
         "cluster.grace_s",

@@ -45,6 +45,7 @@ def run_worker(cfg: Config, ident: Identity, run: RunDir) -> None:
     version, seq = 0, 0
     per_step = cfg.trainer.groups_per_step
     waited = 0.0
+    filtered_total = 0
     t_last = time.time()
     while not run.done.exists() and not stop_requested():
         update = receiver.poll()
@@ -67,14 +68,19 @@ def run_worker(cfg: Config, ident: Identity, run: RunDir) -> None:
             continue
         t0 = time.time()
         queue.begin_batch(producer)
-        batch = generate_groups(engine, env, tokenizer, list(islice(tasks, cfg.inference.groups_per_batch)), cfg.algo,
-                                cfg.env.max_new_tokens, version)
+        batch, filtered = generate_groups(engine, env, tokenizer, list(islice(tasks, cfg.inference.groups_per_batch)),
+                                          cfg.algo, cfg.env.max_new_tokens, version)
         gen_s = time.time() - t0
-        queue.publish(batch, producer, seq)
+        if batch is not None:  # a file may hold fewer groups than asked when dynamic sampling filtered some
+            queue.publish(batch, producer, seq)
         queue.end_batch(producer)
+        filtered_total += filtered
+        if batch is None:
+            continue
         rewards = [r for g in batch.groups for r in g.rewards]
         completion = int(batch.loss_mask.sum())
         metrics.log(seq, {
+            "rollout/filtered_groups": filtered_total,
             "rollout/reward": sum(rewards) / len(rewards),
             "perf/generate_s": gen_s,
             "perf/tokens_per_s": completion / gen_s,

@@ -22,7 +22,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from rlhpc.config import AlgoConfig
+from rlhpc.config import AlgoConfig, ConfigError
 
 
 @dataclass
@@ -98,7 +98,7 @@ def _mean(v: torch.Tensor) -> torch.Tensor:
     return v.float().sum() / max(v.numel(), 1)
 
 
-# ---- the losses -------------------------------------------------------------------------------------------------------
+# ---- the losses ------------------------------------------------------------------------------------------------------
 
 
 def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, cfg: AlgoConfig) -> LossOutputs:
@@ -145,7 +145,7 @@ def _weighted_score(weight: torch.Tensor, x: LossInputs) -> torch.Tensor:
 def cispo(x: LossInputs, cfg: AlgoConfig) -> LossOutputs:
     """Clipped stop-gradient importance weight on every token times its log-probability (CISPO, arXiv:2506.13585).
 
-    Unlike the PPO clip, no token loses its gradient: the weight clip(pi/mu, 1 - clip_low, 1 + clip_high) only bounds it.
+    Unlike the PPO clip, no token loses its gradient: the weight clip(pi/mu, 1 - clip_low, 1 + clip_high) bounds it.
     """
     ratio = torch.exp((x.logprobs - x.inference_logprobs).detach())
     weight = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
@@ -216,6 +216,11 @@ def objective(loss_fn: LossFn, x: LossInputs, cfg: AlgoConfig) -> LossOutputs:
     must not be counted twice. Clipping then bounds nothing within a step (the ratio is 1), the weight does.
     """
     check(cfg)
+    if cfg.ref_kl_coef > 0 and x.reference_logprobs is None:
+        raise ValueError(
+            "config key `algo.ref_kl_coef` > 0 needs reference logprobs (LossInputs.reference_logprobs), which the "
+            "trainer did not provide; set algo.ref_kl_coef=0, or have the trainer compute them"
+        )
     metrics = mismatch_metrics(x)
     loss_inputs = x
     weight: Optional[torch.Tensor] = None
@@ -225,11 +230,6 @@ def objective(loss_fn: LossFn, x: LossInputs, cfg: AlgoConfig) -> LossOutputs:
         loss_inputs = replace(x, inference_logprobs=x.logprobs.detach())
     out = loss_fn(loss_inputs, cfg)
     token_loss = out.token_loss if weight is None else out.token_loss * weight
-    if cfg.ref_kl_coef > 0 and x.reference_logprobs is None:
-        raise ValueError(
-            "config key `algo.ref_kl_coef` > 0 needs reference logprobs (LossInputs.reference_logprobs), and the "
-            "trainer did not provide them; set algo.ref_kl_coef=0 or enable the reference model"
-        )
     if x.reference_logprobs is not None:
         d = x.reference_logprobs - x.logprobs
         ref_kl = torch.exp(d) - d - 1  # k3 estimator of KL(pi || reference)
@@ -244,13 +244,13 @@ def objective(loss_fn: LossFn, x: LossInputs, cfg: AlgoConfig) -> LossOutputs:
     return LossOutputs(token_loss, metrics)
 
 
-# ---- normalization (the trainer's per-token weights) ------------------------------------------------------------------
+# ---- normalization (the trainer's per-token weights) -----------------------------------------------------------------
 
 
 def token_weights(
     x: LossInputs, normalize: str, total_tokens: float, total_samples: float, max_tokens: int
 ) -> torch.Tensor:
-    """float [N]: the weight of each token loss, such that the weighted sum over all micro-batches and ranks of a step is
+    """float [N]: the weight of each token loss, so that the weighted sum over all micro-batches and ranks of a step is
 
     token:    the mean over all loss tokens of the step                   (total_tokens: loss tokens of the step)
     sequence: the mean over sequences of each sequence's token mean       (total_samples: samples of the step)
@@ -270,11 +270,12 @@ def token_weights(
 
 
 def check(cfg: AlgoConfig) -> None:
-    """Checks the loss keys of `algo`; raises ValueError naming the key."""
+    """Checks the loss keys of `algo`, for config.validate to call before anything starts (the objective calls it
+    too); raises ConfigError naming the key."""
 
     def need(ok: bool, key: str, msg: str) -> None:
         if not ok:
-            raise ValueError(f"config key `algo.{key}`: {msg}")
+            raise ConfigError(f"config key `algo.{key}`: {msg}")
 
     need(cfg.normalize in NORMALIZE, "normalize", f"{cfg.normalize!r} is not one of {', '.join(NORMALIZE)}")
     need(cfg.is_level in IS_LEVELS, "is_level", f"{cfg.is_level!r} is not one of {', '.join(IS_LEVELS)}")

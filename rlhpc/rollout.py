@@ -6,11 +6,11 @@ Shared by the inference worker (training rollouts) and held-out evaluation.
 from __future__ import annotations
 
 import uuid
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from rlhpc.advantage import group_advantages
+from rlhpc.advantage import group_advantages, keep_group
 from rlhpc.config import AlgoConfig
 from rlhpc.engines import Engine
 from rlhpc.env import Environment, Task
@@ -28,13 +28,19 @@ def stop_ids(tokenizer) -> List[int]:
 
 def generate_groups(
     engine: Engine, env: Environment, tokenizer, tasks: Sequence[Task], algo: AlgoConfig, max_new_tokens: int, version: int
-) -> RolloutBatch:
+) -> Tuple[Optional[RolloutBatch], int]:
+    """A batch with one group per task, and how many groups dynamic sampling filtered out (None if all were)."""
     prompts = [prompt_ids(tokenizer, env, t) for t in tasks]
     outs = engine.generate(prompts, algo.group_size, algo.temperature, max_new_tokens, stop_ids(tokenizer))
     tokens, logprobs, mask, advantages, group_of, lengths = [], [], [], [], [], []
-    groups = []
-    for gi, (task, prompt, comps) in enumerate(zip(tasks, prompts, outs)):
+    groups: List[Group] = []
+    filtered = 0
+    for task, prompt, comps in zip(tasks, prompts, outs):
         rewards = torch.tensor([env.reward(task, tokenizer.decode(c.tokens, skip_special_tokens=True)) for c in comps])
+        if not keep_group(rewards, algo):  # no reward variance: no learning signal (DAPO dynamic sampling)
+            filtered += 1
+            continue
+        gi = len(groups)
         adv = group_advantages(rewards, torch.tensor([len(c.tokens) for c in comps]), algo, max_new_tokens)
         for c, a in zip(comps, adv.tolist()):
             tokens.append(torch.as_tensor(prompt + c.tokens, dtype=torch.long))
@@ -56,9 +62,11 @@ def generate_groups(
                 extra={"completion_tokens": [len(c.tokens) for c in comps]},
             )
         )
+    if not groups:
+        return None, filtered
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
     offsets[1:] = torch.cumsum(torch.as_tensor(lengths), 0)
-    return RolloutBatch(
+    batch = RolloutBatch(
         tokens=torch.cat(tokens),
         offsets=offsets,
         logprobs=torch.cat(logprobs),
@@ -67,6 +75,7 @@ def generate_groups(
         group_of=torch.tensor(group_of, dtype=torch.long),
         groups=groups,
     )
+    return batch, filtered
 
 
 def evaluate(engine: Engine, env: Environment, tokenizer, tasks: Sequence[Task], max_new_tokens: int) -> float:

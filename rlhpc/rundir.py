@@ -18,8 +18,9 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes, durable: bool = True) -> None:
-    """Writes under a temporary name in the same folder, fsyncs, then renames: readers never see a partial file."""
+def atomic_write(path: Path, data: bytes, durable: bool = True, sync_dir: bool = True) -> None:
+    """Writes under a temporary name in the same folder, fsyncs, then renames: readers never see a partial file.
+    `sync_dir` also makes the rename itself durable (one more fsync, of the folder)."""
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -27,7 +28,7 @@ def atomic_write(path: Path, data: bytes, durable: bool = True) -> None:
         if durable:
             os.fsync(f.fileno())
     os.replace(tmp, path)
-    if durable:
+    if durable and sync_dir:
         fsync_dir(path.parent)
 
 

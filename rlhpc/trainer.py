@@ -72,6 +72,11 @@ class Trainer:
         self.tokenizer = models.load_tokenizer(self.run.model)
         self.model = self.wrap(models.load_model(self.run.model, cfg.model.dtype).to(self.device))
         self.optimizer = make_optimizer(self.model.parameters(), cfg.trainer.optim)
+        # The frozen policy RL starts from, for a KL penalty against it (algo.ref_kl_coef).
+        self.reference = None
+        if cfg.algo.ref_kl_coef > 0:
+            self.reference = self.wrap(models.load_model(self.run.model, cfg.model.dtype).to(self.device)).eval()
+            self.reference.requires_grad_(False)
         warmup = max(cfg.trainer.optim.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
         self.eval_tasks = list(islice(self.env.tasks("eval", 0), cfg.eval.num_tasks))
@@ -263,12 +268,13 @@ class Trainer:
                 sample_index=row,
                 num_samples=len(samples),
             )
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_lp, _ = token_logprobs(self.reference, ids, attn, cfg.algo.temperature)
+                inputs.reference_logprobs = ref_lp[sel]
             out = self.loss_fn(inputs, cfg.algo)
-            if cfg.algo.normalize == "token":
-                weight = torch.full_like(out.token_loss, 1.0 / total_tokens)
-            else:  # each sequence weighs the same, its tokens share its weight
-                per_sample = torch.bincount(row, minlength=len(samples)).clamp(min=1).float()
-                weight = 1.0 / (per_sample[row] * float(totals[1]))
+            weight = loss_mod.token_weights(inputs, cfg.algo.normalize, total_tokens, float(totals[1]),
+                                            cfg.env.max_new_tokens)
             loss = (out.token_loss * weight).sum() * self.world  # FSDP averages gradients over ranks
             loss.backward()
             k = int(sel.sum())

@@ -17,11 +17,11 @@ from hydra import compose, initialize_config_dir
 
 from rlhpc import config as config_mod
 from rlhpc import loss
-from rlhpc.config import AlgoConfig, to_typed
+from rlhpc.config import AlgoConfig, ConfigError, to_typed
 from rlhpc.launch import CONF_DIR
 from rlhpc.loss import LossInputs
 
-torch.set_default_dtype(torch.float64)  # the comparisons below are exact to 1e-10
+F64 = torch.float64  # the comparisons below are exact to 1e-10
 
 # Three sequences (advantage, [(trainer logprob, trainer - inference log-ratio), ...]). Chosen so that, with clip 0.2:
 # tokens are clipped above (log-ratio 0.3 and 0.2 with A > 0) and below (-0.5 with A < 0), and one token with A < 0
@@ -33,6 +33,13 @@ SEQS = [
 ]
 MAX_TOKENS = 8  # the generation limit of Dr. GRPO's constant normalization
 LOSSES = ["grpo", "gspo", "cispo", "aipo"]
+# Clip settings the hand-built ratios cross, so that every loss has clipped and unclipped tokens (or sequences).
+CLIPS = {
+    "grpo": dict(clip_low=0.2, clip_high=0.2),
+    "gspo": dict(clip_low=0.05, clip_high=0.05),  # sequence ratios e^0, e^-0.125 (A < 0: clipped), e^0.026
+    "cispo": dict(clip_low=0.3, clip_high=0.2),
+    "aipo": dict(aipo_delta=1.25),
+}
 CORRECTIONS = [("token", "truncate"), ("token", "mask"), ("sequence", "truncate"), ("sequence", "mask")]
 
 
@@ -42,11 +49,11 @@ def algo(**kw) -> AlgoConfig:
 
 def flat_inputs(seqs=SEQS, reference=None):
     """The trainer's view: flat loss tokens; the leaf `logprobs` gets the gradient."""
-    lp = torch.tensor([t[0] for _, toks in seqs for t in toks], requires_grad=True)
-    inf = torch.tensor([t[0] - t[1] for _, toks in seqs for t in toks])
-    adv = torch.tensor([a for a, toks in seqs for _ in toks])
+    lp = torch.tensor([t[0] for _, toks in seqs for t in toks], dtype=F64, requires_grad=True)
+    inf = torch.tensor([t[0] - t[1] for _, toks in seqs for t in toks], dtype=F64)
+    adv = torch.tensor([a for a, toks in seqs for _ in toks], dtype=F64)
     idx = torch.tensor([i for i, (_, toks) in enumerate(seqs) for _ in toks])
-    ref = None if reference is None else torch.tensor([r for rs in reference for r in rs])
+    ref = None if reference is None else torch.tensor([r for rs in reference for r in rs], dtype=F64)
     return LossInputs(lp, inf, adv, idx, len(seqs), reference_logprobs=ref), lp
 
 
@@ -57,7 +64,7 @@ def step_of(x: LossInputs, cfg: AlgoConfig, normalize: str):
     return out, (out.token_loss * weights).sum()
 
 
-# ---- the independent reference ----------------------------------------------------------------------------------------
+# ---- the independent reference ---------------------------------------------------------------------------------------
 
 
 def ref_token(name, cfg, adv, lp, inf, seq_ratio):
@@ -65,7 +72,7 @@ def ref_token(name, cfg, adv, lp, inf, seq_ratio):
     if name in ("grpo", "gspo"):
         r = torch.exp(lp - inf) if name == "grpo" else seq_ratio
         lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
-        clipped = min(max(r, torch.tensor(lo)), torch.tensor(hi))  # a constant when clipped: no gradient
+        clipped = min(max(r, torch.tensor(lo, dtype=F64)), torch.tensor(hi, dtype=F64))  # clipped: a constant
         t = -min(r * adv, clipped * adv)
         return t.item(), t
     r = math.exp(lp.item() - inf)
@@ -94,9 +101,9 @@ def ref_norm_weight(normalize, seqs, i):
 
 def reference(name, cfg, normalize, seqs=SEQS, reference_lps=None):
     """Per-token loss values, the normalized step value and its gradient, by explicit loops."""
-    values, total, leaves = [], 0.0, []
+    values, step, surrogate, leaves = [], 0.0, 0.0, []
     for i, (adv, toks) in enumerate(seqs):
-        lps = [torch.tensor(t[0], requires_grad=True) for t in toks]
+        lps = [torch.tensor(t[0], dtype=F64, requires_grad=True) for t in toks]
         leaves += lps
         infs = [t[0] - t[1] for t in toks]
         # With a correction on, the loss's own ratio is taken against the current (stop-gradient) policy.
@@ -115,9 +122,11 @@ def reference(name, cfg, normalize, seqs=SEQS, reference_lps=None):
                 k2 = 0.5 * (lp - inf) ** 2
                 value, term = value + cfg.inference_kl_coef * k2.item(), term + cfg.inference_kl_coef * k2
             values.append(value)
-            total = total + term * ref_norm_weight(normalize, seqs, i)
-    total.backward()
-    return torch.tensor(values), total.item(), torch.stack([lp.grad for lp in leaves])
+            step += value * ref_norm_weight(normalize, seqs, i)
+            surrogate = surrogate + term * ref_norm_weight(normalize, seqs, i)
+    surrogate.backward()
+    grads = [torch.zeros((), dtype=F64) if lp.grad is None else lp.grad for lp in leaves]  # None: clipped away
+    return torch.tensor(values, dtype=F64), step, torch.stack(grads)
 
 
 def assert_matches_reference(name, cfg, normalize, reference_lps=None):
@@ -131,28 +140,20 @@ def assert_matches_reference(name, cfg, normalize, reference_lps=None):
     return out
 
 
-# ---- each loss --------------------------------------------------------------------------------------------------------
+# ---- each loss -------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("normalize", ["token", "sequence", "constant"])
 @pytest.mark.parametrize("name", LOSSES)
 def test_each_loss_matches_the_per_sequence_reference_in_values_and_gradients(name, normalize):
-    cfg = algo(name=name, clip_low=1.0, clip_high=4.0) if name == "cispo" else algo(name=name)
-    if name == "cispo":  # bounds the hand-built ratios actually cross, so both clips are exercised
-        cfg = algo(name=name, clip_low=0.3, clip_high=0.2)
-    if name == "aipo":
-        cfg = algo(name=name, aipo_delta=1.25)
-    if name == "gspo":
-        cfg = algo(name=name, clip_low=0.01, clip_high=0.01)
-    assert_matches_reference(name, cfg, normalize)
+    assert_matches_reference(name, algo(name=name, **CLIPS[name]), normalize)
 
 
-def test_dapo_clips_higher_above_than_below():
+def test_dapo_clip_higher_leaves_more_room_above_the_ratio_one():
     x, _ = flat_inputs()
-    sym = loss.get("grpo")(x, algo(clip_low=0.2, clip_high=0.2)).metrics
-    dapo = loss.get("dapo")(x, algo(name="dapo", clip_low=0.2, clip_high=0.28)).metrics
-    assert sym["clip_high_frac"] == pytest.approx(2 / 11) and dapo["clip_high_frac"] == pytest.approx(1 / 11)
-    assert dapo["clip_low_frac"] == sym["clip_low_frac"] == pytest.approx(1 / 11)
+    m = loss.get("dapo")(x, algo(name="dapo", clip_low=0.2, clip_high=0.28)).metrics
+    assert m["clip_high_frac"] == pytest.approx(1 / 11)  # only log-ratio 0.3 is above 1.28; GRPO's 0.2 clips two
+    assert m["clip_low_frac"] == pytest.approx(1 / 11)
 
 
 @pytest.mark.parametrize("name", LOSSES)
@@ -168,7 +169,7 @@ def test_on_policy_every_loss_is_reinforce(name):
 
 def test_gspo_gives_every_token_of_a_sequence_its_sequence_ratio():
     x, _ = flat_inputs()
-    out = loss.get("gspo")(x, algo(name="gspo", clip_low=10.0, clip_high=10.0))  # no clipping: loss = -s_i A_i
+    out = loss.get("gspo")(x, algo(name="gspo", clip_low=1.0, clip_high=10.0))  # no clipping: loss = -s_i A_i
     for i, (adv, toks) in enumerate(SEQS):
         s = math.exp(sum(t[1] for t in toks) / len(toks))
         assert out.token_loss[x.sample_index == i].tolist() == pytest.approx([-s * adv] * len(toks))
@@ -182,7 +183,7 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens():
     torch.testing.assert_close(lp.grad[clipped], -1.2 * x.advantages[clipped])
 
 
-# ---- metrics ----------------------------------------------------------------------------------------------------------
+# ---- metrics ---------------------------------------------------------------------------------------------------------
 
 
 def test_grpo_reports_the_fractions_of_tokens_clipped_below_and_above():
@@ -224,14 +225,15 @@ def test_metrics_stay_finite_on_a_micro_batch_without_loss_tokens():
     assert all(math.isfinite(float(v)) for v in out.metrics.values())
 
 
-# ---- off-policy corrections -------------------------------------------------------------------------------------------
+# ---- off-policy corrections ------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("level,mode", CORRECTIONS)
 @pytest.mark.parametrize("name", LOSSES)
 def test_each_correction_composes_with_each_loss_as_in_the_reference(name, level, mode):
     bounds = dict(is_low=0.8, is_high=1.25) if level == "token" else dict(is_low=0.5, is_high=1.5)
-    assert_matches_reference(name, algo(name=name, is_level=level, is_mode=mode, **bounds), "token")
+    cfg = algo(name=name, is_level=level, is_mode=mode, **bounds, **CLIPS[name])
+    assert_matches_reference(name, cfg, "token")
 
 
 def test_sequence_weights_of_long_sequences_stay_finite():
@@ -249,7 +251,7 @@ def test_a_correction_weight_carries_no_gradient():
     assert not w.requires_grad
 
 
-# ---- KL terms ---------------------------------------------------------------------------------------------------------
+# ---- KL terms --------------------------------------------------------------------------------------------------------
 
 
 def test_kl_terms_match_the_reference_in_values_and_gradients():
@@ -269,7 +271,7 @@ def test_reference_kl_without_reference_logprobs_names_the_key():
         loss.get("grpo")(x, algo(ref_kl_coef=0.1))
 
 
-# ---- normalization ----------------------------------------------------------------------------------------------------
+# ---- normalization ---------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("normalize", ["token", "sequence", "constant"])
@@ -298,7 +300,7 @@ def test_an_unknown_normalization_names_the_key():
         loss.token_weights(x, "tokens", 11.0, 3.0, MAX_TOKENS)
 
 
-# ---- names, configs, user losses --------------------------------------------------------------------------------------
+# ---- names, configs, user losses -------------------------------------------------------------------------------------
 
 
 def test_every_algo_config_composes_and_names_a_loss_that_runs(tmp_path):
@@ -313,33 +315,35 @@ def test_every_algo_config_composes_and_names_a_loss_that_runs(tmp_path):
             assert torch.isfinite(out.token_loss).all(), name
 
 
-def test_a_loss_named_by_import_path_is_used(tmp_path, monkeypatch):
-    (tmp_path / "my_losses.py").write_text(textwrap.dedent("""
+@pytest.fixture
+def user_losses(tmp_path, monkeypatch):
+    """A module of the user's, importable as `user_losses`."""
+    (tmp_path / "user_losses.py").write_text(textwrap.dedent("""
         from rlhpc.loss import LossOutputs
 
         def reinforce(x, cfg):
             return LossOutputs(-x.advantages * x.logprobs, {"mine": x.logprobs.detach().mean()})
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    x, lp = flat_inputs()
-    out = loss.get("my_losses:reinforce")(x, algo(name="my_losses:reinforce"))
-    torch.testing.assert_close(out.token_loss, -x.advantages * x.logprobs)
-    assert out.metrics["mine"] == pytest.approx(float(x.logprobs.mean()))
-    sys.modules.pop("my_losses", None)
+    yield "user_losses"
+    sys.modules.pop("user_losses", None)
 
 
-def test_a_correction_applies_to_a_loss_named_by_import_path(tmp_path, monkeypatch):
-    (tmp_path / "my_losses2.py").write_text("def minus_adv(x, cfg):\n"
-                                            "    from rlhpc.loss import LossOutputs\n"
-                                            "    return LossOutputs(-x.advantages + 0 * x.logprobs)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_a_loss_named_by_import_path_is_used(user_losses):
     x, _ = flat_inputs()
-    cfg = algo(name="my_losses2:minus_adv", is_level="token", is_mode="mask", is_low=0.8, is_high=1.25)
+    out = loss.get(f"{user_losses}:reinforce")(x, algo(name=f"{user_losses}:reinforce"))
+    torch.testing.assert_close(out.token_loss, -x.advantages * x.logprobs)
+    assert out.metrics["mine"] == pytest.approx(float(x.logprobs.detach().mean()))
+
+
+def test_a_correction_applies_to_a_loss_named_by_import_path(user_losses):
+    x, _ = flat_inputs()
+    cfg = algo(name=f"{user_losses}:reinforce", is_level="token", is_mode="mask", is_low=0.8, is_high=1.25)
     out = loss.get(cfg.name)(x, cfg)
-    expected = [-a * (r if 0.8 <= r <= 1.25 else 0.0) for a, r in
-                zip(x.advantages.tolist(), torch.exp(x.logprobs - x.inference_logprobs).tolist())]
+    ratios = torch.exp(x.logprobs - x.inference_logprobs).tolist()
+    expected = [-a * lp * (r if 0.8 <= r <= 1.25 else 0.0) for a, lp, r in
+                zip(x.advantages.tolist(), x.logprobs.tolist(), ratios)]
     assert out.token_loss.tolist() == pytest.approx(expected)
-    sys.modules.pop("my_losses2", None)
 
 
 def test_an_unknown_loss_names_the_key_and_the_known_losses():
@@ -354,26 +358,32 @@ def test_a_loss_path_that_does_not_import_names_the_key():
 
 def test_an_unknown_correction_level_names_the_key():
     x, _ = flat_inputs()
-    with pytest.raises(ValueError, match="algo.is_level"):
+    with pytest.raises(ConfigError, match="algo.is_level"):
         loss.get("grpo")(x, algo(is_level="tokens"))
 
 
-# ---- TRL's GRPOTrainer loss on identical inputs -----------------------------------------------------------------------
+def test_correction_bounds_that_leave_no_range_name_the_key():
+    with pytest.raises(ConfigError, match="algo.is_low"):
+        loss.check(algo(is_level="token", is_low=2.0, is_high=1.5))
+
+
+# ---- TRL's GRPOTrainer loss on identical inputs ----------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def trl_loss():
     """TRL's GRPOTrainer._compute_loss, called on a stand-in trainer whose model returns our padded logprobs."""
-    import trl.import_utils
+    import importlib
 
-    trl.import_utils.is_vllm_available = lambda *a, **k: False  # vLLM plays no part in the loss and is slow to import
-    from trl.trainer.grpo_trainer import GRPOTrainer
+    # vLLM plays no part in the loss and takes seconds to import: tell TRL it is absent.
+    importlib.import_module("trl.import_utils").is_vllm_available = lambda *a, **k: False
+    GRPOTrainer = importlib.import_module("trl.trainer.grpo_trainer").GRPOTrainer
 
     def compute(loss_type, level, eps_low, eps_high, sampling_mode=None, is_low=None, is_high=None):
         T = max(len(toks) for _, toks in SEQS)
-        lp = torch.zeros(len(SEQS), T)
-        inf = torch.zeros(len(SEQS), T)
-        mask = torch.zeros(len(SEQS), T)
+        lp = torch.zeros(len(SEQS), T, dtype=F64)
+        inf = torch.zeros(len(SEQS), T, dtype=F64)
+        mask = torch.zeros(len(SEQS), T, dtype=F64)
         for i, (_, toks) in enumerate(SEQS):
             for t, (l, d) in enumerate(toks):
                 lp[i, t], inf[i, t], mask[i, t] = l, l - d, 1.0
@@ -383,7 +393,7 @@ def trl_loss():
             "prompt_mask": torch.ones(len(SEQS), 1, dtype=torch.long),
             "completion_ids": torch.zeros(len(SEQS), T, dtype=torch.long),
             "completion_mask": mask,
-            "advantages": torch.tensor([a for a, _ in SEQS]),
+            "advantages": torch.tensor([a for a, _ in SEQS], dtype=F64),
             "num_items_in_batch": mask.sum(),
         }
         if sampling_mode is None:

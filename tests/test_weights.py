@@ -1,0 +1,127 @@
+"""The weights contract: a token-guarded group of separate processes, HF names, and logprob parity after an update."""
+
+import multiprocessing as mp
+import traceback
+
+import pytest
+import torch
+
+from rlhpc import models
+from rlhpc.batching import pad, token_logprobs
+from rlhpc.config import ModelConfig
+from rlhpc.rundir import RunDir
+from rlhpc.weights import (BroadcastReceiver, BroadcastSender, FilesystemReceiver, FilesystemSender, latest_snapshot)
+
+CTX = mp.get_context("spawn")
+SEQS = [[1, 5, 9, 44, 70, 2, 3], [1, 100, 101, 102, 2, 120, 121, 122, 2], [7, 8]]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return models.build(ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2), tmp_path_factory.mktemp("m"))
+
+
+def _receiver(run_root, rank, model_dir, token, out):
+    """An inference-side process: joins the group, applies one update to an HF engine, reports what it computes."""
+    try:
+        from rlhpc.engines.hf import HFEngine
+
+        engine = HFEngine.from_pretrained(str(model_dir))
+        recv = BroadcastReceiver(RunDir(run_root), rank, timeout_s=60, attempt="t", token=token)
+        update = None
+        while update is None:
+            update = recv.poll()
+        engine.update_weights(update.tensors)
+        out.put(("ok", rank, update.version, {n: t.double().sum().item() for n, t in update.tensors},
+                 engine.score(SEQS, temperature=0.7)))
+        while not recv.closed():
+            recv.poll()
+    except BaseException as e:  # noqa: BLE001
+        out.put(("error", rank, type(e).__name__, str(e), traceback.format_exc()))
+
+
+def _start(run_root, rank, model_dir, out, token=None):
+    p = CTX.Process(target=_receiver, args=(run_root, rank, model_dir, token, out), daemon=True)
+    p.start()
+    return p
+
+
+def perturbed(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def test_every_worker_receives_the_update_and_computes_the_trainers_logprobs(tmp_path, tiny_model_dir):
+    run = RunDir(tmp_path).make()
+    out = CTX.Queue()
+    procs = [_start(str(tmp_path), r, tiny_model_dir, out) for r in (1, 2)]
+    trainer_model = perturbed(models.load_model(tiny_model_dir))
+    sender = BroadcastSender(run, num_receivers=2, bucket_mb=1, timeout_s=60, attempt="t")
+    sender.publish(5, trainer_model.named_parameters())
+    results = [out.get(timeout=120) for _ in procs]
+    sender.close()
+    for p in procs:
+        p.join(timeout=30)
+
+    ids, attn = pad([torch.tensor(s) for s in SEQS], 0)
+    ref, _ = token_logprobs(trainer_model, ids, attn, temperature=0.7)
+    expected_sums = {n: t.detach().double().sum().item() for n, t in trainer_model.named_parameters()}
+    for status, rank, version, sums, scores in results:
+        assert status == "ok", (rank, version, sums)
+        assert version == 5
+        assert sums.keys() == expected_sums.keys()  # Hugging Face names, every parameter
+        assert all(abs(sums[n] - expected_sums[n]) < 1e-6 * max(1.0, abs(expected_sums[n])) for n in sums)
+        for i, s in enumerate(scores):
+            got = torch.tensor(s)
+            want = ref[i, : len(SEQS[i]) - 1].detach()
+            assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+            # The mismatch KL between the two sides is ~0 in fp32.
+            assert float((torch.exp(want - got) - 1 - (want - got)).mean()) < 1e-8
+
+
+def test_a_member_without_the_token_is_refused_and_the_group_still_forms(tmp_path, tiny_model_dir):
+    run = RunDir(tmp_path).make()
+    out = CTX.Queue()
+    intruder = _start(str(tmp_path), 1, tiny_model_dir, out, token="0" * 32)
+    model = models.load_model(tiny_model_dir)
+    import threading
+
+    holder = {}
+    t = threading.Thread(target=lambda: holder.setdefault(
+        "sender", BroadcastSender(run, num_receivers=1, bucket_mb=1, timeout_s=60, attempt="t")))
+    t.start()
+    status = out.get(timeout=120)
+    assert status[0] == "error" and status[2] == "PermissionError" and "wrong token" in status[3]
+    intruder.join(timeout=30)
+    legit = _start(str(tmp_path), 1, tiny_model_dir, out)
+    t.join(timeout=120)
+    sender = holder["sender"]
+    sender.publish(1, model.named_parameters())
+    assert out.get(timeout=120)[0] == "ok"
+    sender.close()
+    legit.join(timeout=30)
+
+
+def test_a_sender_waiting_for_members_times_out_naming_the_key(tmp_path):
+    run = RunDir(tmp_path).make()
+    with pytest.raises(TimeoutError, match="weights.timeout_s"):
+        BroadcastSender(run, num_receivers=1, bucket_mb=1, timeout_s=1, attempt="t")
+
+
+def test_the_filesystem_transport_delivers_the_newest_snapshot(tmp_path, tiny_model_dir):
+    run = RunDir(tmp_path).make()
+    model = models.load_model(tiny_model_dir)
+    sender, receiver = FilesystemSender(run), FilesystemReceiver(run, version=0)
+    assert receiver.poll() is None
+    sender.publish(1, model.named_parameters())
+    perturbed(model)
+    sender.publish(2, model.named_parameters())
+    update = receiver.poll()
+    assert update.version == 2 and latest_snapshot(run) == 2
+    got = dict(update.tensors)
+    assert all(torch.equal(got[n], p.detach()) for n, p in model.named_parameters())
+    assert receiver.poll() is None
+    sender.close()
+    assert receiver.closed()
