@@ -47,7 +47,7 @@ class Trainer:
         torch.set_num_threads(cfg.trainer.threads)
         torch.manual_seed(cfg.seed + self.rank)
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-        if self.world > 1:
+        if self.world > 1 or cfg.trainer.fsdp:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{ident.master_addr}:{ident.master_port}",
                                     rank=self.rank, world_size=self.world)
@@ -142,7 +142,7 @@ class Trainer:
             write_json(self.run.done, {"time": time.time(), "steps": steps})
             self.sender.close()
             self.metrics.close()
-        if self.world > 1:
+        if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
         return "done"
