@@ -20,7 +20,7 @@ from rlhpc.config import Config
 from rlhpc.engines import make_engine
 from rlhpc.metrics import Metrics
 from rlhpc.queue import Queue
-from rlhpc.role import Identity, stop_requested
+from rlhpc.role import Identity, Stop, stop_requested
 from rlhpc.rollout import generate_groups
 from rlhpc.rundir import RunDir, read_json, wait_for
 from rlhpc.weights import BroadcastReceiver, FilesystemReceiver, WeightsReceiver
@@ -29,6 +29,13 @@ log = logging.getLogger(__name__)
 
 
 def run_worker(cfg: Config, ident: Identity, run: RunDir) -> None:
+    try:
+        _run_worker(cfg, ident, run)
+    except Stop as e:  # asked to stop while waiting (preemption, Ctrl-C): nothing of ours is lost
+        log.warning("worker %d stopped while waiting: %s", ident.rank, e)
+
+
+def _run_worker(cfg: Config, ident: Identity, run: RunDir) -> None:
     torch.set_num_threads(cfg.inference.threads)
     rank = ident.rank
     ready = run.model / "READY"
@@ -101,11 +108,11 @@ def run_worker(cfg: Config, ident: Identity, run: RunDir) -> None:
 def make_receiver(cfg: Config, ident: Identity, run: RunDir) -> WeightsReceiver:
     if cfg.weights.transport == "filesystem":
         return FilesystemReceiver(run, version=0)
-    return BroadcastReceiver(run, ident.rank + 1, cfg.weights.timeout_s, ident.attempt)
+    return BroadcastReceiver(run, ident.rank + 1, cfg.weights.timeout_s, ident.attempt, abort=lambda: _failed(run))
 
 
 def _failed(run: RunDir) -> Optional[str]:
     if stop_requested():
-        return f"asked to stop ({stop_requested()})"
+        raise Stop(stop_requested())
     info = read_json(run.failed)
     return f"{info['role']} rank {info['rank']} failed: {info['error']}" if info else None

@@ -72,6 +72,12 @@ def main() -> None:
             print(f"error: {e}", file=sys.stderr)
             code = 2
         if code:
+            from hydra.core.hydra_config import HydraConfig
+            from hydra.types import RunMode
+
+            if HydraConfig.get().mode == RunMode.MULTIRUN:  # one bad point does not end the sweep
+                print(f"sweep point {HydraConfig.get().job.num} failed with code {code}", file=sys.stderr)
+                return
             sys.exit(code)
 
     _main()

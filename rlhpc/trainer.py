@@ -68,7 +68,13 @@ class Trainer:
         """Runs to the last step ("done") or, when asked to stop, checkpoints and returns "requeue"."""
         t_start = time.time()
         cfg = self.cfg
-        self.prepare_model()
+        try:
+            self.prepare_model()
+        except Stop:
+            log.warning("stop requested (%s) during the warm start; it restarts on requeue", stop_requested())
+            if self.is_main:
+                write_json(self.run.status / "REQUEUE", {"step": 0, "signal": stop_requested(), "time": time.time()})
+            return "requeue"
         self.tokenizer = models.load_tokenizer(self.run.model)
         self.model = self.wrap(models.load_model(self.run.model, cfg.model.dtype).to(self.device))
         self.optimizer = make_optimizer(self.model.parameters(), cfg.trainer.optim)
@@ -174,7 +180,13 @@ class Trainer:
         if self.is_main and not ready.exists():
             self.summary.update(self.warm_start())
             write_json(ready, self.summary)
-        wait_for(ready.exists, self.cfg.inference.startup_timeout_s, f"{ready} (the SFT warm start on trainer rank 0)")
+        def abort() -> Optional[str]:
+            if stop_requested():
+                raise Stop(stop_requested())
+            return self.run_failed()
+
+        wait_for(ready.exists, self.cfg.inference.startup_timeout_s, f"{ready} (the SFT warm start on trainer rank 0)",
+                 abort=abort)
         self.summary = read_json(ready)
 
     def warm_start(self) -> Dict:
@@ -187,6 +199,8 @@ class Trainer:
         t0 = time.time()
         if cfg.sft.steps > 0:
             def on_step(s: int, loss: float) -> None:
+                if stop_requested():
+                    raise Stop(stop_requested())
                 self.metrics.log(s - cfg.sft.steps, {"sft/loss": loss})
                 if s % 20 == 0:
                     self.run.heartbeat("trainer", self.rank, phase="sft", sft_step=s, sft_steps=cfg.sft.steps, loss=loss)
@@ -214,7 +228,9 @@ class Trainer:
         w = self.cfg.weights
         if w.transport == "filesystem":
             return FilesystemSender(self.run)
-        return BroadcastSender(self.run, self.cfg.inference.num_workers, w.bucket_mb, w.timeout_s, self.ident.attempt)
+        # Trainer rank 0's address as the launcher resolved it (under Slurm: the first node of the trainer group).
+        return BroadcastSender(self.run, self.cfg.inference.num_workers, w.bucket_mb, w.timeout_s, self.ident.attempt,
+                               host=self.ident.master_addr)
 
     # ---- one step ---------------------------------------------------------------------------------------------------
 

@@ -186,17 +186,19 @@ def _host() -> str:
 class BroadcastSender(WeightsSender):
     """Trainer rank 0's end of the weights group (group rank 0)."""
 
-    def __init__(self, run: RunDir, num_receivers: int, bucket_mb: int, timeout_s: float, attempt: str, backend: str = ""):
+    def __init__(self, run: RunDir, num_receivers: int, bucket_mb: int, timeout_s: float, attempt: str, backend: str = "",
+                 host: str = ""):
         self.backend = backend or default_backend()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.bucket_bytes = bucket_mb << 20
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.size = num_receivers + 1
-        self.store = dist.TCPStore(_host(), 0, self.size, True, timeout=self.timeout, wait_for_workers=False)
+        host = os.environ.get("RLHPC_WEIGHTS_HOST") or host or _host()
+        self.store = dist.TCPStore(host, 0, self.size, True, timeout=self.timeout, wait_for_workers=False)
         self.token = secrets.token_hex(16)
         write_json(
             run.rendezvous / "weights.json",
-            {"host": _host(), "port": self.store.port, "token": self.token, "world_size": self.size, "attempt": attempt,
+            {"host": host, "port": self.store.port, "token": self.token, "world_size": self.size, "attempt": attempt,
              "backend": self.backend},
         )
         self._admit(timeout_s)
@@ -266,14 +268,15 @@ class BroadcastReceiver(WeightsReceiver):
     """An inference worker's end of the weights group. A background thread receives every update as it is broadcast
     (so the trainer never waits for a generation to finish); `poll` hands the newest one to the worker's loop."""
 
-    def __init__(self, run: RunDir, rank: int, timeout_s: float, attempt: str, token: Optional[str] = None):
+    def __init__(self, run: RunDir, rank: int, timeout_s: float, attempt: str, token: Optional[str] = None,
+                 abort=None):
         path = run.rendezvous / "weights.json"
 
         def current():
             info = read_json(path)
             return info if info and info.get("attempt") == attempt else None
 
-        info = wait_for(current, timeout_s, f"the weights group rendezvous ({path})", poll_s=0.2)
+        info = wait_for(current, timeout_s, f"the weights group rendezvous ({path})", poll_s=0.2, abort=abort)
         self.backend = info["backend"]
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         timeout = datetime.timedelta(seconds=timeout_s)

@@ -8,8 +8,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "envs"))
 from reverse_text import ReverseText  # noqa: E402
 
 
+def _role() -> str:
+    if "RLHPC_ROLE" in os.environ:
+        return os.environ["RLHPC_ROLE"]
+    from rlhpc.cluster.slurm_identity import role_and_rank
+
+    return role_and_rank(os.environ)[0] if "SLURM_JOB_ID" in os.environ else ""
+
+
 class CrashInWorkers(ReverseText):
     def reward(self, task, completion):
-        if os.environ.get("RLHPC_ROLE") == "inference":
+        if _role() == "inference":
             raise RuntimeError("reward model exploded")
         return super().reward(task, completion)

@@ -1,0 +1,289 @@
+"""One run as one heterogeneous Slurm job: the plan (who gets which resources), its checks, and its batch script.
+
+Component 0 runs the trainer ranks, component 1 the inference workers (the order rlhpc.cluster.slurm_identity relies
+on). One `srun --het-group=0,1` starts every role through the same entry point as the local launcher,
+`python -m rlhpc.role`; each task finds its role and rank in Slurm's environment and logs to run_dir/logs/.
+
+The batch shell owns two duties the roles cannot: it forwards SIGUSR1/SIGTERM to the roles (Slurm signals only the
+batch shell with `--signal=B:USR1@grace`), and when the trainer checkpointed and wrote status/REQUEUE it requeues the
+job (`cluster.requeue`).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List
+
+from rlhpc.cluster.slurm_identity import ROLES
+from rlhpc.config import Config, ConfigError, SlurmGroupConfig
+
+@dataclass
+class GroupPlan:
+    role: str
+    component: int
+    nodes: int
+    tasks_per_node: int
+    cpus_per_task: int
+    gpus_per_node: int
+    mem_gb: int
+    time_min: int
+    extra: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tasks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+@dataclass
+class JobPlan:
+    name: str
+    run_dir: Path
+    groups: List[GroupPlan]
+    partition: str
+    account: str
+    qos: str
+    grace_s: int
+    requeue: bool
+    python: str
+    setup: List[str]
+
+    @property
+    def trainer(self) -> GroupPlan:
+        return self.groups[0]
+
+    @property
+    def inference(self) -> GroupPlan:
+        return self.groups[1]
+
+
+def _need(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key `{key}`: {msg}")
+
+
+def _group(cfg: Config, component: int) -> GroupPlan:
+    role = ROLES[component]
+    g: SlurmGroupConfig = getattr(cfg.cluster, role)
+    key = f"cluster.{role}"
+    if role == "trainer":
+        tasks, tasks_key = cfg.trainer.num_ranks, "trainer.num_ranks"
+    else:
+        tasks, tasks_key = cfg.inference.num_workers, "inference.num_workers"
+    _need(g.nodes >= 1, f"{key}.nodes", "must be >= 1")
+    _need(g.cpus_per_task >= 1, f"{key}.cpus_per_task", "must be >= 1")
+    _need(g.gpus_per_node >= 0, f"{key}.gpus_per_node", "must be >= 0")
+    _need(g.mem_gb >= 0, f"{key}.mem_gb", "must be >= 0 (0: the partition's default)")
+    _need(g.time_min >= 0, f"{key}.time_min", "must be >= 0 (0: cluster.time_min)")
+    if g.tasks_per_node:
+        _need(
+            g.nodes * g.tasks_per_node == tasks, f"{key}.tasks_per_node",
+            f"{g.nodes} node(s) x {g.tasks_per_node} task(s) = {g.nodes * g.tasks_per_node} {role} processes, but "
+            f"{tasks_key}={tasks}: make {key}.nodes x {key}.tasks_per_node equal {tasks_key} (or set "
+            f"{key}.tasks_per_node=0 to derive it)",
+        )
+        per_node = g.tasks_per_node
+    else:
+        _need(
+            tasks % g.nodes == 0, f"{key}.nodes",
+            f"{tasks_key}={tasks} {role} processes do not spread evenly over {g.nodes} nodes",
+        )
+        per_node = tasks // g.nodes
+    return GroupPlan(role, component, g.nodes, per_node, g.cpus_per_task, g.gpus_per_node, g.mem_gb,
+                     g.time_min or cfg.cluster.time_min, dict(g.extra))
+
+
+def make_plan(cfg: Config) -> JobPlan:
+    """The job a config asks for; raises ConfigError naming the key when the cluster settings cannot run it."""
+    c = cfg.cluster
+    groups = [_group(cfg, k) for k in range(len(ROLES))]
+    trainer, inference = groups
+    _need(c.time_min >= 1, "cluster.time_min", "must be >= 1 minute")
+    _need(0 < c.grace_s <= 65535, "cluster.grace_s", "must be between 1 and 65535 seconds")
+    for g in groups:
+        time_key = f"cluster.{g.role}.time_min" if getattr(c, g.role).time_min else "cluster.time_min"
+        _need(
+            c.grace_s < g.time_min * 60, "cluster.grace_s",
+            f"{c.grace_s}s before the time limit leaves no time to train within {time_key}={g.time_min} min",
+        )
+    if trainer.gpus_per_node:
+        _need(
+            trainer.tasks_per_node <= trainer.gpus_per_node, "cluster.trainer.gpus_per_node",
+            f"{trainer.tasks_per_node} trainer ranks per node need one GPU each, but a node has "
+            f"{trainer.gpus_per_node}",
+        )
+    if inference.gpus_per_node:
+        tp = cfg.inference.tensor_parallel_size
+        _need(tp >= 1, "inference.tensor_parallel_size", "must be >= 1")
+        _need(
+            inference.gpus_per_node % tp == 0, "inference.tensor_parallel_size",
+            f"{tp} does not divide the {inference.gpus_per_node} GPUs per node (cluster.inference.gpus_per_node)",
+        )
+        _need(
+            inference.tasks_per_node * tp <= inference.gpus_per_node, "cluster.inference.gpus_per_node",
+            f"{inference.tasks_per_node} workers per node x inference.tensor_parallel_size={tp} need "
+            f"{inference.tasks_per_node * tp} GPUs, but a node has {inference.gpus_per_node}",
+        )
+        if cfg.inference.engine == "vllm" and inference.tasks_per_node > 1:
+            _need(
+                cfg.inference.engines_per_node == inference.tasks_per_node, "inference.engines_per_node",
+                f"{cfg.inference.engines_per_node}, but {inference.tasks_per_node} workers share each node: set it to "
+                f"{inference.tasks_per_node} so that each takes its own GPUs",
+            )
+    return JobPlan(
+        name=c.job_name or f"rlhpc-{cfg.exp_name}",
+        run_dir=Path(cfg.run_dir).absolute(),
+        groups=groups,
+        partition=c.partition, account=c.account, qos=c.qos,
+        grace_s=c.grace_s,
+        requeue=c.requeue,
+        python=c.python or sys.executable,
+        setup=list(c.setup),
+    )
+
+
+# ---- the batch script ------------------------------------------------------------------------------------------------
+
+
+def _sbatch(key: str, value: object = "") -> str:
+    return f"#SBATCH --{key}" + (f"={shlex.quote(str(value))}" if value != "" else "")
+
+
+def _component_lines(plan: JobPlan, g: GroupPlan) -> List[str]:
+    lines = [f"# component {g.component}: {g.role} ({g.tasks} task{'s' if g.tasks != 1 else ''})"]
+    for key, value in (("partition", plan.partition), ("account", plan.account), ("qos", plan.qos)):
+        if value:
+            lines.append(_sbatch(key, value))
+    lines += [
+        _sbatch("time", g.time_min),
+        _sbatch("nodes", g.nodes),
+        _sbatch("ntasks-per-node", g.tasks_per_node),
+        _sbatch("cpus-per-task", g.cpus_per_task),
+    ]
+    if g.gpus_per_node:
+        lines.append(_sbatch("gpus-per-node", g.gpus_per_node))
+    if g.mem_gb:
+        lines.append(_sbatch("mem", f"{g.mem_gb}G"))
+    lines += [_sbatch(k.replace("_", "-"), v) for k, v in sorted(g.extra.items())]
+    return lines
+
+
+# Each task: find its log name (role-rank) from Slurm's variables, then become the role entry point (exec keeps the
+# PID, so signals from srun reach the role itself).
+_TASK = (
+    'name=$("$RLHPC_PYTHON" -m rlhpc.cluster.slurm_identity) || exit 1; export LOCAL_RANK=$SLURM_LOCALID; '
+    'exec "$RLHPC_PYTHON" -m rlhpc.role >>"$RLHPC_RUN_DIR/logs/$name.log" 2>&1'
+)
+
+_BODY = r"""
+status="$RLHPC_RUN_DIR/status"
+mkdir -p "$RLHPC_RUN_DIR/logs" "$status"
+# Markers of an earlier attempt (one Slurm requeued itself: preemption, scontrol requeue) would stop this one.
+rm -f "$status/REQUEUE" "$status/FAILED"
+echo "rlhpc: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): trainer on $SLURM_JOB_NODELIST_HET_GROUP_0," \
+     "inference on $SLURM_JOB_NODELIST_HET_GROUP_1; logs in $RLHPC_RUN_DIR/logs" >&2
+
+# Slurm signals this shell only (--signal=B:USR1@grace, scancel --signal=USR1 --batch, SIGTERM on cancel/preemption):
+# pass the signal on to the roles. The trainer finishes its step, checkpoints, writes status/REQUEUE and exits 75;
+# the inference workers exit.
+signalled=""
+interrupted=0
+forward() {
+    signalled=$1
+    interrupted=1
+    echo "rlhpc: batch shell got SIG$1; forwarding it to the roles" >&2
+    kill -s "$1" "$srun_pid" 2>/dev/null
+}
+trap 'forward USR1' USR1
+trap 'forward TERM' TERM
+
+srun --het-group=0,1 --kill-on-bad-exit=1 --unbuffered bash -c '__TASK__' &
+srun_pid=$!
+rc=0
+while true; do  # a trap ends `wait` early: wait again until srun itself has ended
+    interrupted=0
+    wait "$srun_pid"
+    code=$?
+    [[ $code == 127 ]] && break  # srun's status was already collected
+    rc=$code
+    [[ $interrupted == 1 ]] || break
+done
+
+if [[ -f "$status/REQUEUE" ]]; then
+    if [[ $RLHPC_REQUEUE == 1 && $signalled != TERM ]]; then
+        echo "rlhpc: the trainer checkpointed ($(tr -d '\n ' <"$status/REQUEUE")); requeueing job $SLURM_JOB_ID" >&2
+        rm -f "$status/REQUEUE"
+        scontrol requeue "$SLURM_JOB_ID" && exit 0
+        echo "rlhpc: scontrol requeue $SLURM_JOB_ID failed; resubmit to resume: sbatch $RLHPC_RUN_DIR/job.sbatch" >&2
+    elif [[ $signalled != TERM ]]; then
+        echo "rlhpc: the trainer checkpointed; cluster.requeue is off: resume with sbatch $RLHPC_RUN_DIR/job.sbatch" >&2
+    fi
+elif [[ $rc != 0 ]]; then
+    echo "rlhpc: the roles ended with exit code $rc" >&2
+    "$RLHPC_PYTHON" -m rlhpc.status "$RLHPC_RUN_DIR" --no-slurm >&2
+fi
+exit $rc
+"""
+
+
+def render_script(plan: JobPlan, exp_name: str = "") -> str:
+    header = [
+        "#!/bin/bash",
+        f"# rlhpc: one heterogeneous job{f' for experiment {exp_name}' if exp_name else ''}; run_dir {plan.run_dir}",
+        "# Written by `python -m rlhpc.launch ... launcher=slurm|sbatch`; resubmit it as is with `sbatch <this file>`.",
+        _sbatch("job-name", plan.name),
+        _sbatch("output", plan.run_dir / "logs" / "slurm-%j.out"),
+        _sbatch("open-mode", "append"),
+        _sbatch("signal", f"B:USR1@{plan.grace_s}"),
+        _sbatch("requeue") if plan.requeue else _sbatch("no-requeue"),
+    ]
+    header += _component_lines(plan, plan.trainer)
+    header += ["#SBATCH hetjob"]
+    header += _component_lines(plan, plan.inference)
+    env = [
+        "",
+        f"export RLHPC_RUN_DIR={shlex.quote(str(plan.run_dir))}",
+        f"export RLHPC_PYTHON={shlex.quote(plan.python)}",
+        f"export RLHPC_REQUEUE={int(plan.requeue)}",
+        "export PYTHONUNBUFFERED=1",
+    ]
+    if plan.setup:
+        env += ["", "# cluster.setup"] + list(plan.setup)
+    env += ["", "set -u"]  # after the setup lines: activation scripts often read unset variables
+    return "\n".join(header + env) + "\n" + _BODY.replace("__TASK__", _TASK)
+
+
+# ---- the plan as a user reads it -------------------------------------------------------------------------------
+
+
+def describe(plan: JobPlan, cfg: Config, launcher: str) -> str:
+    where = ", ".join(f"{k} {v}" for k, v in (("partition", plan.partition), ("account", plan.account),
+                                               ("qos", plan.qos)) if v)
+    lines = [
+        f"launcher={launcher}: one heterogeneous Slurm job `{plan.name}`{f' ({where})' if where else ''}",
+        f"  run_dir: {plan.run_dir}",
+    ]
+    for g in plan.groups:
+        unit = "rank" if g.role == "trainer" else "worker"
+        lines.append(
+            f"  component {g.component} {g.role:<9} {g.nodes} node(s) x {g.tasks_per_node} task(s) = "
+            f"{g.tasks} {unit}(s); "
+            f"{g.cpus_per_task} CPU(s)/task, {g.gpus_per_node} GPU(s)/node, "
+            f"{f'{g.mem_gb} GB/node' if g.mem_gb else 'default memory'}, {g.time_min} min"
+        )
+    w = cfg.weights
+    lines += [
+        f"  inference engine: {cfg.inference.engine} (tensor_parallel_size {cfg.inference.tensor_parallel_size})",
+        f"  weights group: {plan.inference.tasks + 1} members (trainer rank 0 + {plan.inference.tasks} inference "
+        f"workers), transport {w.transport}",
+        f"  steps: sft={cfg.sft.steps} rl={cfg.trainer.steps} async_level={cfg.async_level} "
+        f"groups_per_step={cfg.trainer.groups_per_step}",
+        f"  preemption: SIGUSR1 {plan.grace_s}s before the time limit -> checkpoint, "
+        + ("requeue" if plan.requeue else "stop (cluster.requeue=false)"),
+        "",
+        "----- job script -----",
+        render_script(plan, cfg.exp_name),
+    ]
+    return "\n".join(lines)

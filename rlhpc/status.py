@@ -1,0 +1,212 @@
+"""`python -m rlhpc.status RUN_DIR` (or `rlhpc-status RUN_DIR`): where a run stands, from its run directory.
+
+Shows the run's Slurm job(s) and their states (run_dir/jobs.json + sacct/squeue; local runs have none), the trainer's
+step, the recent rollout and held-out rewards, queue depth and staleness, the last heartbeat of every role, and, for a
+failed run, which role failed, why, and the end of its log. Reads files only: safe to run at any time, from any node
+that sees the run directory. `--json` prints the same as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from rlhpc.rundir import RunDir, read_json
+
+TAIL_LINES = 20
+
+
+def tail(path: Path, lines: int = TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return f"({path} does not exist)"
+
+
+def _metrics_tail(path: Path, max_bytes: int = 256 << 10) -> List[Dict[str, Any]]:
+    """The last rows of a metrics.jsonl (only its end is read: the file grows with the run)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in data.splitlines()[1 if size > max_bytes else 0:]:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a crash or by the seek
+            continue
+    return rows
+
+
+def _last(rows: List[Dict[str, Any]], key: str) -> Optional[Dict[str, Any]]:
+    for row in reversed(rows):
+        if key in row:
+            return row
+    return None
+
+
+def failure(run: RunDir) -> Optional[Dict[str, Any]]:
+    """Which role failed first (status/FAILED, written by the role itself), why, and the end of its log."""
+    info = read_json(run.failed)
+    if not info:
+        return None
+    log = run.log_file(info.get("role", "?"), info.get("rank", 0))
+    return {**info, "log": str(log), "log_tail": tail(log)}
+
+
+def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
+    out: Dict[str, Any] = {"run_dir": str(run.root)}
+    now = time.time()
+    if run.summary.exists():
+        out["state"] = "finished"
+    elif run.failed.exists():
+        out["state"] = "failed"
+    elif (run.status / "REQUEUE").exists():
+        out["state"] = "checkpointed, waiting to be requeued"
+    else:
+        out["state"] = "running or not started"
+
+    from rlhpc.cluster.slurm_jobs import recorded_jobs
+
+    jobs = recorded_jobs(run)
+    out["jobs"] = []
+    for entry in jobs:
+        job: Dict[str, Any] = {"job_id": entry["job_id"], "name": entry.get("name", ""),
+                               "launcher": entry.get("launcher", "")}
+        if slurm:
+            from rlhpc.cluster.slurm_jobs import query
+
+            st = query(entry["job_id"])
+            job.update(state=st.state, source=st.source,
+                       components=[{"job_id": c.job_id, "role": c.role, "state": c.state, "exit_code": c.exit_code,
+                                    "nodes": c.nodes, "elapsed": c.elapsed, "reason": c.reason} for c in st.components])
+        out["jobs"].append(job)
+
+    rows = _metrics_tail(run.logs / "trainer-0.metrics.jsonl")
+    hb = read_json(run.status / "trainer-0.json") or {}
+    trainer: Dict[str, Any] = {}
+    if hb.get("phase") == "sft":
+        trainer.update(phase="sft", sft_step=hb.get("sft_step"), sft_steps=hb.get("sft_steps"))
+    rl_rows = [r for r in rows if r.get("step", 0) > 0]
+    if rl_rows or "step" in hb:
+        trainer.update(phase="rl", step=max([r["step"] for r in rl_rows] + [hb.get("step", 0)]), steps=hb.get("steps"))
+    for key, name in (("rollout/reward", "reward"), ("eval/heldout_reward", "heldout_reward"),
+                      ("async/staleness_mean", "staleness_mean")):
+        row = _last(rl_rows, key)
+        if row:
+            trainer[name] = row[key]
+            trainer[f"{name}_step"] = row["step"]
+    if not trainer.get("steps"):
+        cfg = _config_steps(run)
+        if cfg is not None:
+            trainer["steps"] = cfg
+    out["trainer"] = trainer
+
+    pending = run.queue / "pending"
+    try:
+        out["queue_pending_files"] = sum(1 for p in pending.iterdir()
+                                         if p.suffix == ".safetensors" and not p.name.startswith("."))
+    except FileNotFoundError:
+        out["queue_pending_files"] = None
+
+    out["heartbeats"] = {
+        name: {"age_s": round(now - info["time"], 1),
+               **{k: v for k, v in info.items() if k in ("host", "step", "version", "phase")}}
+        for name, info in run.heartbeats().items() if "time" in info
+    }
+    fail = failure(run)
+    if fail:
+        out["failure"] = fail
+    summary = read_json(run.summary)
+    if summary:
+        out["summary"] = {k: summary.get(k) for k in ("heldout_reward_base", "heldout_reward_sft", "heldout_reward_rl",
+                                                     "rl_steps", "wall_time_s") if k in summary}
+    return out
+
+
+def _config_steps(run: RunDir) -> Optional[int]:
+    try:
+        from omegaconf import OmegaConf
+
+        return int(OmegaConf.load(run.config).trainer.steps)
+    except Exception:  # an unreadable config only costs the "of N"
+        return None
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def render(info: Dict[str, Any]) -> str:
+    lines = [f"run_dir: {info['run_dir']}", f"state:   {info['state']}"]
+    if not info["jobs"]:
+        lines.append("slurm:   no Slurm job recorded (a local run, or not submitted yet)")
+    for job in info["jobs"]:
+        head = f"slurm:   job {job['job_id']} {job['name']}".rstrip()
+        if "state" in job:
+            head += f": {job['state']}"
+            if job["source"] not in ("sacct", "squeue"):
+                head += f" ({job['source']})"
+        lines.append(head)
+        for c in job.get("components", []):
+            extra = "".join(f" {k} {c[k]}" for k in ("nodes", "elapsed", "exit_code") if c.get(k))
+            if c.get("reason") and c["reason"] != "None":
+                extra += f" reason {c['reason']}"
+            lines.append(f"         {c['job_id']:<10} {c['role']:<10} {c['state']:<10}{extra}")
+    t = info["trainer"]
+    if t.get("phase") == "sft" and "step" not in t:
+        lines.append(f"trainer: SFT step {t.get('sft_step')}/{t.get('sft_steps')}")
+    elif "step" in t:
+        line = f"trainer: step {t['step']}/{t.get('steps', '?')}"
+        if "reward" in t:
+            line += f"  reward {_fmt(t['reward'])} (step {t['reward_step']})"
+        if "heldout_reward" in t:
+            line += f"  held-out {_fmt(t['heldout_reward'])} (step {t['heldout_reward_step']})"
+        lines.append(line)
+    else:
+        lines.append("trainer: no step yet")
+    queue = "?" if info["queue_pending_files"] is None else info["queue_pending_files"]
+    stale = t.get("staleness_mean")
+    lines.append(f"queue:   {queue} pending file(s); staleness {'-' if stale is None else _fmt(stale)} steps")
+    if info["heartbeats"]:
+        lines.append("heartbeats (last seen):")
+        for name, hb in info["heartbeats"].items():
+            extra = "".join(f" {k} {hb[k]}" for k in ("phase", "step", "version") if k in hb)
+            lines.append(f"  {name:<14} {hb['age_s']:>7.1f}s ago  on {hb.get('host', '?')}{extra}")
+    else:
+        lines.append("heartbeats: none yet")
+    if "summary" in info:
+        lines.append("summary: " + ", ".join(f"{k} {_fmt(v)}" for k, v in info["summary"].items()))
+    if "failure" in info:
+        f = info["failure"]
+        lines += [f"failed:  {f.get('role')} rank {f.get('rank')}: {f.get('error')}",
+                  f"--- last lines of {f['log']} ---", f["log_tail"]]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="rlhpc-status", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", help="the run directory (run_dir=... of the launch)")
+    ap.add_argument("--json", action="store_true", help="print JSON")
+    ap.add_argument("--no-slurm", action="store_true", help="do not ask sacct/squeue")
+    args = ap.parse_args(argv)
+    run = RunDir(Path(args.run_dir))
+    if not run.config.exists():
+        print(f"rlhpc-status: {run.root} is not a run directory (no config.yaml written by rlhpc.launch)",
+              file=sys.stderr)
+        return 2
+    info = collect(run, slurm=not args.no_slurm)
+    print(json.dumps(info, indent=1) if args.json else render(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,388 @@
+"""The Slurm launchers as a user meets them: the plan and the job script, one heterogeneous job per run on a real
+Slurm cluster, a failing role, a requeue mid-run, sweeps, the hand-written sbatch template.
+
+Tests marked `slurm` need the local cluster (`sudo bash rlhpc/cluster/local_slurm.sh up`) and skip without it
+(`RLHPC_REQUIRE_SLURM=1` makes that a failure). Every wait has a timeout; every job a test submits is cancelled when
+the test ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rlhpc.cluster.slurm_identity import SlurmIdentityError, first_node, identity_from_slurm, master_port, role_and_rank
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["+exp=reverse_text", "sft.steps=5", "eval.num_tasks=8", "eval.interval=0", "launcher.progress=true",
+         "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1"]
+ON_CLUSTER = ["+cluster=local", "launcher=slurm"]
+
+
+def launch(*args: str, cwd: Path, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlhpc.launch", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env)
+
+
+def het_env(procid: int, trainers: int = 2, workers: int = 3, **extra: str) -> dict:
+    return {
+        "SLURM_JOB_ID": "4242", "SLURM_PROCID": str(procid), "SLURM_NTASKS": str(trainers + workers),
+        "SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": str(trainers), "SLURM_NTASKS_HET_GROUP_1": str(workers),
+        "SLURM_JOB_NODELIST_HET_GROUP_0": "localhost", "SLURM_JOB_NODELIST_HET_GROUP_1": "localhost",
+        "RLHPC_RUN_DIR": "/shared/run", **extra,
+    }
+
+
+# ---- who a task is (no cluster needed) ----------------------------------------------------------------------------
+
+
+def test_each_task_of_the_two_component_step_finds_its_role_and_rank():
+    seen = [role_and_rank(het_env(p)) for p in range(5)]
+    assert seen == [("trainer", 0, 2), ("trainer", 1, 2), ("inference", 0, 3), ("inference", 1, 3), ("inference", 2, 3)]
+
+
+def test_identity_carries_run_dir_attempt_and_the_trainers_rendezvous():
+    ident = identity_from_slurm(het_env(3, SLURM_RESTART_COUNT="2"))
+    assert (ident.role, ident.rank, ident.size) == ("inference", 1, 3)
+    assert str(ident.run_dir) == "/shared/run"
+    assert ident.attempt == "4242.2"  # a requeued job is a new attempt of the same run
+    assert ident.master_addr == "localhost"
+    # every task computes the same port from the job id; a restart moves it (the old one may linger in TIME_WAIT)
+    assert identity_from_slurm(het_env(0, SLURM_RESTART_COUNT="2")).master_port == ident.master_port
+    assert master_port(het_env(0)) != ident.master_port
+
+
+def test_the_master_is_the_first_node_of_the_trainer_component():
+    assert first_node("gpu[007-012,020],cpu01") == "gpu007"
+    assert first_node("n1") == "n1"
+    assert first_node("n[3-4]") == "n3"
+
+
+def test_a_task_outside_a_step_over_both_components_is_told_how_to_start_the_roles():
+    env = het_env(0)
+    del env["SLURM_NTASKS_HET_GROUP_1"]
+    with pytest.raises(SlurmIdentityError, match=r"srun --het-group=0,1"):
+        role_and_rank(env)
+    with pytest.raises(SlurmIdentityError, match="RLHPC_RUN_DIR"):
+        identity_from_slurm({k: v for k, v in het_env(0).items() if k != "RLHPC_RUN_DIR"})
+
+
+# ---- the plan and the script (no cluster needed) ------------------------------------------------------------------
+
+
+def test_dry_run_prints_the_plan_and_the_script_and_submits_nothing(tmp_path):
+    spy = tmp_path / "bin"
+    spy.mkdir()
+    (spy / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path}/sbatch-was-called\n")
+    (spy / "sbatch").chmod(0o755)
+    env = dict(os.environ, PATH=f"{spy}{os.pathsep}{os.environ['PATH']}")
+    for launcher in ("slurm", "sbatch"):
+        run_dir = tmp_path / f"run-{launcher}"
+        proc = launch(*SMALL, f"launcher={launcher}", "inference.num_workers=4", "cluster.inference.nodes=2",
+                      "cluster.trainer.mem_gb=16", "dry_run=true", f"run_dir={run_dir}", cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr
+        out = proc.stdout
+        assert "component 0 trainer   1 node(s) x 1 task(s) = 1 rank(s)" in out
+        assert "16 GB/node" in out
+        assert "component 1 inference 2 node(s) x 2 task(s) = 4 worker(s)" in out
+        assert "weights group: 5 members" in out
+        assert "#SBATCH hetjob" in out and "srun --het-group=0,1" in out
+        assert not run_dir.exists()
+    assert not (tmp_path / "sbatch-was-called").exists()
+
+
+def composed(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from rlhpc import config as config_mod
+    from rlhpc.launch import CONF_DIR
+
+    config_mod.register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return config_mod.to_typed(compose(config_name="config", overrides=[*SMALL, "run_dir=/tmp/x", *overrides]))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["trainer.num_ranks=2", "cluster.trainer.tasks_per_node=1"], "cluster.trainer.tasks_per_node"),
+    (["inference.num_workers=3", "cluster.inference.nodes=2"], "cluster.inference.nodes"),
+    (["cluster.inference.gpus_per_node=8", "inference.tensor_parallel_size=3"], "inference.tensor_parallel_size"),
+    (["cluster.inference.gpus_per_node=2", "inference.tensor_parallel_size=2"], "cluster.inference.gpus_per_node"),
+    (["cluster.trainer.gpus_per_node=1", "trainer.num_ranks=2"], "cluster.trainer.gpus_per_node"),
+    (["cluster.inference.gpus_per_node=4", "inference.engine=vllm", "inference.num_workers=2"],
+     "inference.engines_per_node"),
+    (["cluster.inference.time_min=2", "cluster.grace_s=120"], "cluster.grace_s"),
+])
+def test_a_job_the_cluster_settings_cannot_run_is_refused_naming_the_key(overrides, key):
+    from rlhpc.cluster.hetjob import make_plan
+    from rlhpc.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(f"`{key}`")):
+        make_plan(composed(*overrides))
+
+
+def test_the_launch_refuses_such_a_job_before_anything_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(*SMALL, "launcher=slurm", "inference.num_workers=3", "cluster.inference.nodes=2",
+                  f"run_dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "`cluster.inference.nodes`" in proc.stderr and "inference.num_workers=3" in proc.stderr
+    assert not run_dir.exists()
+
+
+def test_the_rendered_script_runs_the_role_entry_point_and_owns_signals_and_requeue(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(*SMALL, "launcher=sbatch", "launcher.submit=false", "cluster.grace_s=90", f"run_dir={run_dir}",
+                  "cluster.setup=[module load cuda]", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"sbatch {run_dir}/job.sbatch" in proc.stdout
+    script = (run_dir / "job.sbatch").read_text()
+    header, _, body = script.partition("#SBATCH hetjob")
+    assert "--ntasks-per-node=1" in header and "--ntasks-per-node=2" in body
+    assert "#SBATCH --signal=B:USR1@90" in header and "#SBATCH --requeue" in header
+    assert "#SBATCH --job-name=rlhpc-reverse_text" in header
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert "--het-group=0,1" in srun and "--kill-on-bad-exit=1" in srun and "-m rlhpc.role" in srun
+    assert "%j" not in srun
+    assert f"export RLHPC_RUN_DIR={run_dir}" in script
+    assert "module load cuda" in script
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert not (run_dir / "jobs.json").exists()  # written, not submitted
+
+
+def test_a_sweep_gives_every_point_its_own_run_dir(tmp_path):
+    proc = launch("-m", *SMALL, "launcher=slurm", "trainer.steps=4,6", "dry_run=true", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    dirs = re.findall(r"^  run_dir: (\S+)$", proc.stdout, re.M)
+    assert len(dirs) == 2 and len(set(dirs)) == 2
+    assert [Path(d).name for d in dirs] == ["0", "1"] and Path(dirs[0]).parent == Path(dirs[1]).parent
+
+
+# ---- on the local Slurm cluster --------------------------------------------------------------------------------
+
+
+def _slurm(*args: str, timeout: float = 30) -> str:
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout).stdout
+
+
+class Cluster:
+    """What a test submitted, cancelled at the end: jobs named `name`, and the jobs recorded in registered run dirs."""
+
+    def __init__(self) -> None:
+        self.name = f"rlhpc-test-{uuid.uuid4().hex[:8]}"
+        self.run_dirs: list[Path] = []
+
+    def track(self, run_dir: Path) -> Path:
+        self.run_dirs.append(run_dir)
+        return run_dir
+
+    def job_ids(self, run_dir: Path) -> list[str]:
+        path = run_dir / "jobs.json"
+        return [j["job_id"] for j in json.loads(path.read_text())["jobs"]] if path.exists() else []
+
+    def cancel_all(self) -> None:
+        ids = [j for d in self.run_dirs for j in self.job_ids(d)]
+        if ids:
+            _slurm("scancel", *ids)
+        _slurm("scancel", f"--name={self.name}")
+
+
+@pytest.fixture
+def cluster():
+    if shutil.which("sbatch") is None or "is UP" not in _slurm("scontrol", "ping", timeout=15):
+        why = "no Slurm cluster answers; start one with `sudo bash rlhpc/cluster/local_slurm.sh up`"
+        if os.environ.get("RLHPC_REQUIRE_SLURM") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    c = Cluster()
+    yield c
+    c.cancel_all()
+
+
+def sacct_rows(job_id: str) -> dict[str, tuple[str, str, str]]:
+    """JobID -> (JobName, State, ExitCode) of a job's components (`<id>+0`, `<id>+1`)."""
+    rows = {}
+    for line in _slurm("sacct", "-j", job_id, "-X", "-n", "-P", "-o", "JobID,JobName,State,ExitCode").splitlines():
+        jid, name, state, code = line.split("|")
+        rows[jid] = (name, state.split()[0], code)
+    return rows
+
+
+def wait_final(job_id: str, timeout: float = 180) -> dict[str, tuple[str, str, str]]:
+    """Until sacct shows both components final (it lags a moment behind the job's end)."""
+    deadline = time.monotonic() + timeout
+    rows: dict = {}
+    while time.monotonic() < deadline:
+        rows = sacct_rows(job_id)
+        if all(rows.get(f"{job_id}+{k}", ("", "PENDING", ""))[1] not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING")
+               for k in (0, 1)):
+            return rows
+        time.sleep(1)
+    pytest.fail(f"job {job_id} did not end within {timeout}s: {rows}\n{_slurm('squeue')}")
+
+
+def wait_for(what: str, predicate, timeout: float, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+def trainer_step(run_dir: Path) -> int:
+    try:
+        return json.loads((run_dir / "status" / "trainer-0.json").read_text()).get("step", 0)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+def status(run_dir: Path) -> str:
+    proc = subprocess.run([sys.executable, "-m", "rlhpc.status", str(run_dir)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.slurm
+def test_sbatch_accepts_the_rendered_script_and_the_template(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    assert launch(*SMALL, *ON_CLUSTER, "launcher=sbatch", "launcher.submit=false", f"run_dir={run_dir}",
+                  cwd=tmp_path).returncode == 0
+    for script in (run_dir / "job.sbatch", REPO / "sbatch" / "rlhpc.sbatch"):
+        proc = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=30,
+                              cwd=tmp_path)
+        assert proc.returncode == 0 and "to start at" in proc.stderr, (script, proc.stderr)
+
+
+@pytest.mark.slurm
+def test_a_run_is_one_heterogeneous_job_that_ends_completed(cluster, tmp_path):
+    run_dir = cluster.track(tmp_path / "run")
+    t0 = time.monotonic()
+    proc = launch(*SMALL, *ON_CLUSTER, "launcher.wait=true", "trainer.steps=4", f"run_dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (job_id,) = cluster.job_ids(run_dir)
+    assert f"submitted job {job_id}" in proc.stdout and f"job {job_id} COMPLETED" in proc.stdout
+    assert json.loads((run_dir / "summary.json").read_text())["rl_steps"] == 4
+
+    rows = wait_final(job_id, timeout=60)
+    assert set(rows) == {f"{job_id}+0", f"{job_id}+1"}  # one job, two components
+    assert all(r == ("rlhpc-reverse_text", "COMPLETED", "0:0") for r in rows.values()), rows
+    for name, who in (("trainer-0", "trainer rank 0/1"), ("inference-0", "inference rank 0/2"),
+                      ("inference-1", "inference rank 1/2")):
+        assert f"starting {who}" in (run_dir / "logs" / f"{name}.log").read_text()
+    shown = status(run_dir)
+    assert f"job {job_id} rlhpc-reverse_text: COMPLETED" in shown and "step 4/4" in shown
+    print(f"completed run: {time.monotonic() - t0:.0f}s")
+
+
+@pytest.mark.slurm
+def test_the_launch_returns_at_once_and_a_sweep_submits_one_job_per_point(cluster, tmp_path):
+    t0 = time.monotonic()
+    proc = launch("-m", *SMALL, *ON_CLUSTER, f"cluster.job_name={cluster.name}", "trainer.steps=4,5", "sft.steps=500",
+                  cwd=tmp_path, timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout[proc.stdout.index("2 job(s) submitted"):]
+    rows = re.findall(r"^  (\d+)\s+(\S+)\s+(trainer\.steps=\d)$", table, re.M)
+    assert [r[2] for r in rows] == ["trainer.steps=4", "trainer.steps=5"]
+    for job_id, run_dir, _ in rows:
+        cluster.track(Path(run_dir))
+        assert cluster.job_ids(Path(run_dir)) == [job_id]
+        assert not (Path(run_dir) / "summary.json").exists()  # the launch did not wait for the runs
+    assert took < 60
+    queued = _slurm("squeue", f"--name={cluster.name}", "-h", "-o", "%i")
+    assert {f"{r[0]}+0" for r in rows} <= set(queued.split())
+
+
+@pytest.mark.slurm
+def test_a_failing_role_fails_the_job_promptly_with_its_error_and_log(cluster, tmp_path):
+    # An environment whose reward fails in the inference workers only (the trainer would wait for rollouts).
+    (tmp_path / "crash_env.py").write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(REPO / 'envs')!r})\n"
+        "from reverse_text import ReverseText\n"
+        "from rlhpc.cluster.slurm_identity import role_and_rank\n\n"
+        "class CrashInInference(ReverseText):\n"
+        "    def reward(self, task, completion):\n"
+        "        if role_and_rank(os.environ)[0] == 'inference':\n"
+        "            raise RuntimeError('reward model exploded')\n"
+        "        return super().reward(task, completion)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    run_dir = cluster.track(tmp_path / "run")
+    t0 = time.monotonic()
+    proc = launch(*SMALL, *ON_CLUSTER, "launcher.wait=true", "trainer.steps=50", "trainer.rollout_timeout_s=600",
+                  "env.cls=crash_env:CrashInInference", f"run_dir={run_dir}", cwd=tmp_path, env=env, timeout=180)
+    assert time.monotonic() - t0 < 120  # not the trainer's 600 s wait for rollouts
+    assert proc.returncode == 1
+    (job_id,) = cluster.job_ids(run_dir)
+    assert f"job {job_id} FAILED" in proc.stderr
+    assert re.search(r"inference rank \d failed: RuntimeError\('reward model exploded'\)", proc.stderr)
+    assert "Traceback" in proc.stderr  # the end of that role's log
+    assert {state for _, state, _ in wait_final(job_id, timeout=60).values()} == {"FAILED"}
+    assert "reward model exploded" in status(run_dir)
+
+
+@pytest.mark.slurm
+def test_a_requeued_job_resumes_and_trains_every_group_exactly_once(cluster, tmp_path):
+    """Needs the trainer's side of the contract: on SIGUSR1 it checkpoints, writes status/REQUEUE, exits 75, and a new
+    attempt resumes from that checkpoint."""
+    steps = 8
+    run_dir = cluster.track(tmp_path / "run")
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "rlhpc.launch", *SMALL, *ON_CLUSTER, "launcher.wait=true", f"trainer.steps={steps}",
+         f"run_dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        wait_for("the trainer's second step", lambda: trainer_step(run_dir) >= 2, timeout=150)
+        (job_id,) = cluster.job_ids(run_dir)
+        # What Slurm does `cluster.grace_s` before the time limit, sent now.
+        _slurm("scancel", "--signal=USR1", "--batch", job_id)
+        out, err = follow.communicate(timeout=240)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+            follow.communicate()
+    assert follow.returncode == 0, out + err
+    assert f"job {job_id}: requeued (restart 1)" in out and f"job {job_id} COMPLETED" in out
+    batch_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    stopped_at = int(re.search(r'the trainer checkpointed \(.*"step":(\d+).*\); requeueing job', batch_log).group(1))
+    assert 2 <= stopped_at < steps, "the signal must land mid-run"
+
+    assert json.loads((run_dir / "summary.json").read_text())["rl_steps"] == steps
+    ledger = [json.loads(line) for line in (run_dir / "queue" / "ledger.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in ledger] == list(range(steps))
+    uids = [u for e in ledger for u in e["groups"]]
+    assert len(uids) == len(set(uids)), "a group was trained twice"
+    assert f"step {steps}/{steps}" in status(run_dir)
+
+
+@pytest.mark.slurm
+def test_the_sbatch_template_runs_a_chosen_experiment_and_checks_its_allocation(cluster, tmp_path):
+    template = REPO / "sbatch" / "rlhpc.sbatch"
+    overrides = ["+cluster=local", *SMALL[1:], "trainer.steps=2"]
+    env = dict(os.environ, RLHPC_EXP="reverse_text", RLHPC_PYTHON=sys.executable)
+    submit = ["sbatch", "--parsable", f"--job-name={cluster.name}", str(template)]
+    job_id = subprocess.run([*submit, *overrides], capture_output=True, text=True, env=env, cwd=tmp_path,
+                            timeout=30, check=True).stdout.strip().split(";")[0]
+    # The same template with a config that does not fit its allocation: refused before any role starts.
+    bad_id = subprocess.run([*submit, *overrides, "inference.num_workers=3"], capture_output=True, text=True, env=env,
+                            cwd=tmp_path, timeout=30, check=True).stdout.strip().split(";")[0]
+
+    assert {s for _, s, _ in wait_final(job_id, timeout=180).values()} == {"COMPLETED"}
+    run_dir = tmp_path / "runs" / "reverse_text" / f"slurm-{job_id}"
+    assert json.loads((run_dir / "summary.json").read_text())["rl_steps"] == 2
+    assert (run_dir / "logs" / "inference-1.log").exists()
+    assert f"job {job_id} {cluster.name}: COMPLETED" in status(run_dir)
+
+    assert {s for _, s, _ in wait_final(bad_id, timeout=120).values()} == {"FAILED"}
+    assert "`inference.num_workers`" in (tmp_path / f"rlhpc-{bad_id}.out").read_text()

@@ -1,0 +1,85 @@
+"""`python -m rlhpc.status RUN_DIR` as a user reads it: where a run stands, from its run directory alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rlhpc.rundir import RunDir, write_json
+
+
+def status(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlhpc.status", str(run_dir), *args], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def a_run(tmp_path: Path, step: int = 3, steps: int = 10) -> RunDir:
+    """A run directory as the roles leave it mid-run: heartbeats, the trainer's metrics, a queue."""
+    run = RunDir(tmp_path / "run").make()
+    run.config.write_text(f"trainer:\n  steps: {steps}\n")
+    rows = [{"step": -1, "time": 0, "sft/loss": 2.0}]
+    rows += [{"step": s, "time": 0, "rollout/reward": 0.1 * s, "async/staleness_mean": 0.5} for s in range(1, step + 1)]
+    rows[-2]["eval/heldout_reward"] = 0.25
+    (run.logs / "trainer-0.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run.heartbeat("trainer", 0, step=step, steps=steps)
+    run.heartbeat("inference", 0, version=step)
+    run.heartbeat("inference", 1, version=step - 1)
+    (run.queue / "pending").mkdir(parents=True, exist_ok=True)
+    for name in ("w0a1-00000007.safetensors", "w1a1-00000004.safetensors", ".tmp-w1a1-00000005.safetensors"):
+        (run.queue / "pending" / name).write_bytes(b"")
+    return run
+
+
+def test_a_local_run_shows_step_rewards_queue_and_heartbeats_and_no_slurm_job(tmp_path):
+    run = a_run(tmp_path)
+    proc = status(run.root)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "no Slurm job recorded" in out
+    assert "step 3/10" in out
+    assert "reward 0.300 (step 3)" in out and "held-out 0.250 (step 2)" in out
+    assert "2 pending file(s)" in out and "staleness 0.500" in out
+    for name in ("trainer-0", "inference-0", "inference-1"):
+        assert name in out
+    assert "s ago" in out
+
+
+def test_a_failed_run_names_the_role_its_error_and_the_end_of_its_log(tmp_path):
+    run = a_run(tmp_path)
+    run.log_file("inference", 1).write_text("starting\nTraceback (most recent call last):\nRuntimeError: boom\n")
+    write_json(run.failed, {"role": "inference", "rank": 1, "error": "RuntimeError('boom')"})
+    out = status(run.root).stdout
+    assert "state:   failed" in out
+    assert "inference rank 1: RuntimeError('boom')" in out
+    assert "RuntimeError: boom" in out  # the log's last lines
+
+
+def test_a_slurm_run_shows_its_job_even_where_slurm_does_not_answer(tmp_path):
+    run = a_run(tmp_path)
+    write_json(run.root / "jobs.json", {"jobs": [{"job_id": "77", "name": "rlhpc-x", "launcher": "slurm",
+                                                  "submitted": time.time()}]})
+    no_slurm = dict(os.environ, PATH=str(tmp_path / "empty"))  # no sacct, no squeue
+    proc = status(run.root, env=no_slurm)
+    assert proc.returncode == 0, proc.stderr
+    assert "job 77 rlhpc-x: UNKNOWN (neither sacct nor squeue answered)" in proc.stdout
+    assert "step 3/10" in proc.stdout
+
+
+def test_json_output_carries_the_same_facts(tmp_path):
+    run = a_run(tmp_path, step=4, steps=8)
+    info = json.loads(status(run.root, "--json", "--no-slurm").stdout)
+    assert info["trainer"]["step"] == 4 and info["trainer"]["steps"] == 8
+    assert info["trainer"]["staleness_mean"] == 0.5
+    assert info["queue_pending_files"] == 2
+    assert set(info["heartbeats"]) == {"trainer-0", "inference-0", "inference-1"}
+    assert info["jobs"] == []
+
+
+def test_a_folder_that_is_not_a_run_directory_is_named(tmp_path):
+    proc = status(tmp_path)
+    assert proc.returncode == 2
+    assert str(tmp_path) in proc.stderr and "not a run directory" in proc.stderr
