@@ -258,16 +258,24 @@ class Trainer:
         loss_tokens_per_sample = torch.stack(
             [batch.loss_mask[batch.offsets[i] + 1 : batch.offsets[i + 1]].sum() for i in mine.tolist()]
         ) if mine.numel() else torch.zeros(0, dtype=torch.long)
-        totals = torch.tensor([float(loss_tokens_per_sample.sum()), float(batch.num_samples)])
+        tokens = torch.tensor([float(loss_tokens_per_sample.sum())])
         if self.world > 1:
-            dist.all_reduce(totals)  # token count across ranks (samples are already global)
-        total_tokens = max(float(totals[0]), 1.0)
+            dist.all_reduce(tokens)  # loss tokens of the whole step (the sample count is global already)
+        total_tokens, total_samples = max(float(tokens[0]), 1.0), float(batch.num_samples)
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: Dict[str, float] = {}
         n_loss_tokens = 0
-        for mb in plan_micro_batches(lengths, cfg.trainer.micro_batch_tokens):
+        plan = plan_micro_batches(lengths, cfg.trainer.micro_batch_tokens)
+        if self.world > 1:  # every rank runs as many forward/backward passes (FSDP's collectives must pair up)
+            n = torch.tensor([len(plan)])
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+            plan += [None] * (int(n) - len(plan))
+        for mb in plan:
+            if mb is None:
+                self.idle_pass()
+                continue
             samples = mine[mb]
             seqs = [batch.tokens[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()]
             ids, attn = pad(seqs, self.tokenizer.pad_token_id)
@@ -289,7 +297,7 @@ class Trainer:
                     ref_lp, _ = token_logprobs(self.reference, ids, attn, cfg.algo.temperature)
                 inputs.reference_logprobs = ref_lp[sel]
             out = self.loss_fn(inputs, cfg.algo)
-            weight = loss_mod.token_weights(inputs, cfg.algo.normalize, total_tokens, float(totals[1]),
+            weight = loss_mod.token_weights(inputs, cfg.algo.normalize, total_tokens, total_samples,
                                             cfg.env.max_new_tokens)
             loss = (out.token_loss * weight).sum() * self.world  # FSDP averages gradients over ranks
             loss.backward()
@@ -299,6 +307,12 @@ class Trainer:
             sums["entropy"] = sums.get("entropy", 0.0) + float(entropy[sel].sum())
             for name, v in out.metrics.items():
                 sums[f"loss/{name}"] = sums.get(f"loss/{name}", 0.0) + float(v) * k
+        if self.world > 1:  # the step's statistics over all ranks
+            keys = sorted(sums)
+            packed = torch.tensor([sums[k] for k in keys] + [float(n_loss_tokens)], dtype=torch.float64)
+            dist.all_reduce(packed)
+            sums = dict(zip(keys, packed[:-1].tolist()))
+            n_loss_tokens = int(packed[-1])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.trainer.optim.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         self.optimizer.step()
@@ -315,6 +329,12 @@ class Trainer:
             "perf/loss_tokens": float(total_tokens),
         })
         return stats
+
+    def idle_pass(self) -> None:
+        """A forward/backward that adds nothing to the gradients, for a rank with fewer micro-batches than others."""
+        ids = torch.tensor([[self.tokenizer.pad_token_id, self.tokenizer.pad_token_id]], device=self.device)
+        logp, _ = token_logprobs(self.model, ids, torch.ones_like(ids))
+        (logp.sum() * 0.0).backward()
 
     def claim_stats(self, step: int, claim: Claim) -> Dict[str, float]:
         b = claim.batch

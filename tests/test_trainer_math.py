@@ -1,0 +1,169 @@
+"""Batching that does not change the math: a step's loss and gradients are the same for 1 or 2 FSDP2 ranks and for any
+micro-batch size; checkpoints resume exactly, also on a different number of ranks."""
+
+import multiprocessing as mp
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhpc import config as config_mod
+from rlhpc import models
+from rlhpc.config import Config, ModelConfig
+from rlhpc.queue import Group, RolloutBatch
+from rlhpc.role import Identity
+from rlhpc.rundir import RunDir
+
+CTX = mp.get_context("spawn")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_batch(vocab: int, seed: int = 0, groups: int = 4, group_size: int = 4) -> RolloutBatch:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, 30, (groups * group_size,), generator=g)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    total = int(offsets[-1])
+    mask = torch.zeros(total, dtype=torch.bool)
+    for i in range(len(lengths)):  # a 5-token prompt, then the completion
+        mask[offsets[i] + 5 : offsets[i + 1]] = True
+    return RolloutBatch(
+        tokens=torch.randint(3, vocab, (total,), generator=g),
+        offsets=offsets,
+        logprobs=torch.where(mask, -torch.rand(total, generator=g) * 3, torch.zeros(total)),
+        loss_mask=mask,
+        advantages=torch.randn(len(lengths), generator=g),
+        group_of=torch.arange(groups).repeat_interleave(group_size),
+        groups=[Group(uid=str(i), env="t", task_id=str(i), version=0, num_samples=group_size,
+                      rewards=[0.0] * group_size, truncated=[False] * group_size) for i in range(groups)],
+    )
+
+
+def _trainer(root: Path, rank: int, world: int, port: int, overrides: dict):
+    from rlhpc.sft import make_optimizer
+    from rlhpc.trainer import Trainer
+
+    keys = {k: v for k, v in overrides.items() if k not in ("stop_at", "save", "resume")}  # test-only knobs
+    cfg = config_mod.to_typed({"run_dir": str(root), **keys, "trainer": {"num_ranks": world, **keys.get("trainer", {})}})
+    run = RunDir(root)
+    tr = Trainer(cfg, Identity("trainer", rank, world, root, "t", "127.0.0.1", port), run)
+    tr.tokenizer = models.load_tokenizer(run.model)
+    tr.model = tr.wrap(models.load_model(run.model))
+    tr.optimizer = make_optimizer(tr.model.parameters(), cfg.trainer.optim)
+    tr.scheduler = torch.optim.lr_scheduler.LambdaLR(tr.optimizer, lambda s: 1.0)
+    tr.reference = None
+    return tr
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _grads_worker(root, rank, world, port, overrides, out):
+    try:
+        torch.manual_seed(0)
+        tr = _trainer(Path(root), rank, world, port, overrides)
+        tr.optimizer.step = lambda *a, **k: None  # keep the gradients of the step
+        stats = tr.train_step(0, make_batch(len(tr.tokenizer)))
+        grads = {n: _full(p.grad).numpy().copy() for n, p in tr.model.named_parameters()}  # by value
+        if rank == 0:
+            out.put(("ok", stats["loss/total"], grads))
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        out.put(("error", traceback.format_exc(), None))
+
+
+def run_ranks(root, world, overrides, target=_grads_worker):
+    out = CTX.Queue()
+    port = free_port()
+    procs = [CTX.Process(target=target, args=(str(root), r, world, port, overrides, out), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        result = out.get(timeout=240)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert result[0] == "ok", result[1]
+    status, loss, arrays = result
+    return status, loss, {n: torch.from_numpy(a) for n, a in arrays.items()}
+
+
+@pytest.fixture(scope="module")
+def run_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    RunDir(root).make()
+    models.build(ModelConfig(hidden_size=48, intermediate_size=96, num_layers=2), root / "model")
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("normalize", ["token", "sequence"])
+def test_loss_and_gradients_do_not_depend_on_ranks_or_micro_batches(run_root, normalize):
+    algo = {"algo": {"normalize": normalize}}
+    _, loss_1, grads_1 = run_ranks(run_root, 1, {**algo, "trainer": {"micro_batch_tokens": 100000}})
+    _, loss_mb, grads_mb = run_ranks(run_root, 1, {**algo, "trainer": {"micro_batch_tokens": 64}})
+    _, loss_2, grads_2 = run_ranks(run_root, 2, {**algo, "trainer": {"micro_batch_tokens": 64}})
+    assert abs(loss_1 - loss_mb) < 1e-5 and abs(loss_1 - loss_2) < 1e-5
+    for name, g in grads_1.items():
+        assert torch.allclose(grads_mb[name], g, atol=1e-6, rtol=1e-4), name
+        assert torch.allclose(grads_2[name], g, atol=1e-6, rtol=1e-4), name
+    assert max(g.abs().max() for g in grads_1.values()) > 1e-4  # a real gradient, not zeros
+
+
+def _train_worker(root, rank, world, port, overrides, out):
+    """Trains `steps` steps on fixed batches, checkpointing/resuming as told; rank 0 reports the full parameters."""
+    try:
+        from rlhpc import checkpoint
+
+        torch.manual_seed(0)
+        tr = _trainer(Path(root), rank, world, port, overrides)
+        run = RunDir(Path(root))
+        start = 0
+        if overrides.get("resume"):
+            start = checkpoint.load(checkpoint.latest(run.checkpoints), tr.model, tr.optimizer, tr.scheduler)["step"]
+        for step in range(start, overrides["stop_at"]):
+            tr.train_step(step, make_batch(len(tr.tokenizer), seed=step))
+        if overrides.get("save"):
+            checkpoint.save(run.checkpoints, overrides["stop_at"], tr.model, tr.optimizer, tr.scheduler, {"eval_curve": []})
+        params = {n: _full(p.detach()).numpy().copy() for n, p in tr.model.named_parameters()}
+        if rank == 0:
+            out.put(("ok", None, params))
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        out.put(("error", traceback.format_exc(), None))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first,second", [(1, 1), (2, 1), (1, 2)])
+def test_a_run_stopped_and_resumed_matches_an_uninterrupted_one(tmp_path, run_root, first, second):
+    import shutil
+
+    root = tmp_path / "run"
+    shutil.copytree(run_root, root)
+    base = {"trainer": {"micro_batch_tokens": 256}}
+    _, _, _ = run_ranks(root, first, {**base, "stop_at": 2, "save": True}, target=_train_worker)
+    _, _, resumed = run_ranks(root, second, {**base, "stop_at": 4, "resume": True}, target=_train_worker)
+    _, _, uninterrupted = run_ranks(root, first, {**base, "stop_at": 4}, target=_train_worker)
+    initial = dict(models.load_model(root / "model").named_parameters())
+    assert all(not torch.allclose(p, initial[n].detach()) for n, p in uninterrupted.items())  # training moved them
+    for name, p in uninterrupted.items():
+        assert torch.allclose(resumed[name], p, atol=1e-6, rtol=1e-5), name
