@@ -161,8 +161,9 @@ class InferenceConfig:
     # only between generations. Needs the worker to hand the engine its receiver (docs/vllm.md).
     inflight_updates: bool = True
     # How new weights land: "auto" (in-place load_weights on GPU, the reload path on CPU or with quantization),
-    # "reload" (vLLM reload_weights: re-runs the loader's post-processing, e.g. CPU repacking, FP8 quantization), or
-    # "inplace" (GPU only).
+    # "reload" (vLLM reload_weights: re-runs the loader's post-processing, e.g. CPU repacking, FP8 quantization),
+    # "inplace" (GPU only) or "file" (a safetensors file every worker process reloads; always so when
+    # tensor_parallel_size > 1).
     weight_update: str = "auto"
     # vLLM engines (inference workers) per node; with local rank i an engine uses GPUs [i*tp, (i+1)*tp) where
     # tp = tensor_parallel_size (GPU only; cluster.inference.tasks_per_node should match).
@@ -292,6 +293,7 @@ class ConfigError(ValueError):
 _CHOICES = {
     "weights.transport": ("broadcast", "filesystem"),
     "inference.engine": ("hf", "vllm"),
+    "inference.weight_update": ("auto", "reload", "inplace", "file"),
     "algo.normalize": ("token", "sequence", "constant"),
     "launcher.name": ("local", "slurm", "sbatch"),
     "model.dtype": ("float32", "bfloat16", "float16"),

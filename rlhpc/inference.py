@@ -42,11 +42,14 @@ def _run_worker(cfg: Config, ident: Identity, run: RunDir) -> None:
     wait_for(ready.exists, cfg.inference.startup_timeout_s, f"{ready} (the trainer's warm start)", poll_s=0.5,
              abort=lambda: _failed(run))
     tokenizer = models.load_tokenizer(run.model)
-    engine = make_engine(cfg.inference.engine, str(run.model), cfg.model.dtype, cfg=cfg.inference, run_dir=str(run.root))
+    engine = make_engine(cfg.inference.engine, str(run.model), cfg.model.dtype, cfg=cfg.inference, run_dir=str(run.root),
+                         seed=cfg.seed * 1000 + rank)
     env = env_mod.load(cfg.env)
     tasks = env.tasks("train", seed=cfg.seed * 1000 + 17 + rank)
     queue = Queue(run.queue)
     receiver = make_receiver(cfg, ident, run)
+    if getattr(engine, "supports_inflight_updates", False) and cfg.inference.inflight_updates:
+        engine.weight_updates = receiver.poll  # vLLM swaps weights between decode steps of a long generation
     metrics = Metrics(run, "inference", rank)
     producer = f"w{rank}a{ident.attempt}"
     version, seq = 0, 0
@@ -58,7 +61,7 @@ def _run_worker(cfg: Config, ident: Identity, run: RunDir) -> None:
         update = receiver.poll()
         if update is not None:
             engine.update_weights(update.tensors)
-            version = update.version
+            version = engine.version = update.version  # labels the tokens generated from now on
         if receiver.closed():
             break
         progress = queue.progress()
@@ -78,6 +81,7 @@ def _run_worker(cfg: Config, ident: Identity, run: RunDir) -> None:
         batch, filtered = generate_groups(engine, env, tokenizer, list(islice(tasks, cfg.inference.groups_per_batch)),
                                           cfg.algo, cfg.env.max_new_tokens, version)
         gen_s = time.time() - t0
+        version = getattr(engine, "version", version)  # updates that landed during the generation (vLLM)
         if batch is not None:  # a file may hold fewer groups than asked when dynamic sampling filtered some
             queue.publish(batch, producer, seq)
         queue.end_batch(producer)

@@ -54,11 +54,13 @@ def generate_groups(
                 uid=uuid.uuid4().hex,
                 env=env.name,
                 task_id=task.id,
-                version=version,
+                # With in-flight updates (vLLM) a completion knows the versions that produced it.
+                version=max(getattr(c, "max_version", None) or version for c in comps),
                 num_samples=len(comps),
                 rewards=rewards.tolist(),
                 truncated=[c.finish_reason == "length" for c in comps],
-                min_version=version,
+                min_version=min(getattr(c, "min_version", None) if getattr(c, "min_version", None) is not None
+                                else version for c in comps),
                 extra={"completion_tokens": [len(c.tokens) for c in comps]},
             )
         )

@@ -52,7 +52,7 @@ def make_engine(kind: str, model_path: str, dtype: str = "float32", **kwargs) ->
     if kind == "hf":
         from rlhpc.engines.hf import HFEngine
 
-        return HFEngine.from_pretrained(model_path, dtype=dtype)
+        return HFEngine.from_pretrained(model_path, dtype=dtype, seed=kwargs.get("seed", 0))
     if kind == "vllm":
         from rlhpc.engines.vllm import VLLMEngine  # type: ignore[import-not-found]
 

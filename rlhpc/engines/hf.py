@@ -17,7 +17,8 @@ class HFEngine(Engine):
         self._params = dict(model.named_parameters())
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: str = "float32") -> "HFEngine":
+    def from_pretrained(cls, path: str, dtype: str = "float32", seed: int = 0) -> "HFEngine":
+        torch.manual_seed(seed)  # each worker samples its own stream
         model = load_model(path, dtype=dtype).eval()
         return cls(model, model.config.pad_token_id if model.config.pad_token_id is not None else 0)
 

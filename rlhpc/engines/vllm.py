@@ -17,8 +17,8 @@ Weight updates (`update_weights`, HF checkpoint names):
   which re-runs the loader's post-processing (the CPU backend repacks weights for oneDNN; FP8 re-quantizes). A plain
   in-place `load_weights` fails on the CPU backend.
 - GPU (auto): the model's own in-place `load_weights` (`_gpu_load_weights_inplace`), no re-processing.
-- tensor_parallel_size > 1 (GPU): the workers are separate processes, so the update is written as a safetensors file
-  under the run directory and every worker reloads it from there (`_reload_from_file`).
+- tensor_parallel_size > 1 (or `inference.weight_update=file`): the workers are separate processes, so the update is
+  written as a safetensors file under the run directory and every worker reloads it from there (`_reload_from_file`).
 After an update between generations the prefix cache is cleared, so no new request reuses KV computed by old weights.
 
 In-flight updates: set `engine.weight_updates` to a callable returning the newest `rlhpc.weights.Update` or None (the
@@ -39,10 +39,11 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from unittest import mock
 
 import torch
 
@@ -59,7 +60,7 @@ _CPU_DEFAULT_KV_CACHE_GB = 0.25
 class VersionedCompletion(Completion):
     """A completion that also says which weights versions produced it (they differ after an in-flight update)."""
 
-    # Oldest version whose weights computed any of its tokens or their KV cache; None when no version was ever given.
+    # Oldest version whose weights computed any of its tokens or their KV cache.
     min_version: Optional[int] = None
     # Version that sampled its last token.
     max_version: Optional[int] = None
@@ -99,8 +100,19 @@ def _tempdir(path: Path) -> Iterator[None]:
         tempfile.tempdir = saved
 
 
+class _QuietRotaryReload(logging.Filter):
+    """vLLM's layerwise reload warns "RotaryEmbedding: Failed to load weights" on every update: rotary embeddings have
+    no checkpoint weights, and their cache is put back as it was. Other layers' warnings still pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
 class VLLMEngine(Engine):
     supports_inflight_updates = True
+    # Engines of this process whose model runs in it (tensor_parallel_size 1). They share vLLM's process-global
+    # torch.distributed state, which only the last one to close may tear down.
+    _in_process = 0
 
     def __init__(
         self,
@@ -111,14 +123,16 @@ class VLLMEngine(Engine):
         seed: int = 0,
     ):
         cfg = cfg if cfg is not None else InferenceConfig(engine="vllm")
-        if cfg.weight_update not in ("auto", "reload", "inplace"):
-            raise ValueError(f"config key `inference.weight_update`: {cfg.weight_update!r} is not one of auto, reload, inplace")
+        if cfg.weight_update not in ("auto", "reload", "inplace", "file"):
+            raise ValueError(f"config key `inference.weight_update`: {cfg.weight_update!r} is not one of auto, reload, "
+                             "inplace, file")
         # In-process engine core: weight tensors reach the model by reference and generation is stepped from here.
         mp = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if mp != "0":
             raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING is set to 1: rlhpc's vLLM engine runs the engine core "
                                "in-process (unset it)")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # shared CPU nodes: do not pin threads to cores
+        _gpu_pin_devices(cfg)  # before anything initializes CUDA
         self.files = vllm_files(run_dir)
         self.cfg = cfg
         self.model_path = model_path
@@ -126,9 +140,9 @@ class VLLMEngine(Engine):
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietRotaryReload())
+
         self.on_gpu = current_platform.is_cuda_alike()
-        if self.on_gpu:
-            _gpu_pin_devices(cfg)
         args: Dict[str, Any] = dict(
             model=model_path,
             dtype=dtype,
@@ -144,7 +158,6 @@ class VLLMEngine(Engine):
             logprobs_mode="processed_logprobs",
             max_logprobs=-1,  # score() at a temperature other than 1 needs the full prompt distribution
             generation_config="vllm",  # no sampling defaults from the checkpoint's generation_config.json
-            skip_tokenizer_init=True,  # token ids in, token ids out
         )
         if self.on_gpu:
             args.update(_gpu_engine_args(cfg))
@@ -153,13 +166,17 @@ class VLLMEngine(Engine):
         args.update(cfg.engine_args)
         set_threads = torch.set_num_threads  # the CPU worker replaces it with a no-op for the whole process
         t0 = time.time()
-        with _tempdir(self.files / "tmp"):
+        with _tempdir(self.files / "tmp"), self._eager():
             self.llm = LLM(**args)
         torch.set_num_threads = set_threads
+        self._holds_dist = cfg.tensor_parallel_size == 1
+        VLLMEngine._in_process += self._holds_dist
         self.engine = self.llm.llm_engine
         self._vocab = self.engine.model_config.get_vocab_size()
+        self._tied = {name: [a for a in group if a != name]
+                      for group in self.llm.collective_rpc(_tied_parameters)[0] for name in group}
         self._ids = count()
-        self._version: Optional[int] = None
+        self.version = 0  # the weights it loaded: the trainer's initial weights are version 0
         # In-flight updates: a callable returning the newest rlhpc.weights.Update or None (e.g. receiver.poll).
         self.weight_updates: Optional[Callable[[], Any]] = None
         self.updates_applied = 0
@@ -170,8 +187,8 @@ class VLLMEngine(Engine):
     # ---- versions ---------------------------------------------------------------------------------------------------
 
     @property
-    def version(self) -> Optional[int]:
-        """The weights version in force (None until one was given to update_weights or arrived in flight)."""
+    def version(self) -> int:
+        """The weights version in force: 0 (the loaded checkpoint) until an update says otherwise."""
         return self._version
 
     @version.setter
@@ -191,10 +208,11 @@ class VLLMEngine(Engine):
         greedy: bool = False,
     ) -> List[List[Completion]]:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
-            n=n,
+            n=1 if greedy else n,  # vLLM refuses n > 1 for greedy: the n completions are copies of one
             temperature=0.0 if greedy else temperature,
             top_p=1.0,
             top_k=0,
@@ -208,33 +226,45 @@ class VLLMEngine(Engine):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         submitted = self._version
-        ids = [self.engine.add_request(f"g{next(self._ids)}", {"prompt_token_ids": list(p)}, params) for p in prompts]
+        ids = [f"g{next(self._ids)}" for _ in prompts]
+        internal: List[str] = []
         done: Dict[str, Any] = {}
         try:
-            while self.engine.has_unfinished_requests():
-                if self.weight_updates is not None and self.cfg.inflight_updates:
-                    update = self.weight_updates()
-                    if update is not None:  # between two steps: nothing runs, every request stays scheduled
-                        self._load(update.tensors)
-                        self.version = update.version
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
+            for i, p in zip(ids, prompts):
+                try:
+                    internal.append(self.engine.add_request(i, {"prompt_token_ids": list(p)}, params))
+                except (ValueError, VLLMValidationError) as e:  # vLLM's validation errors (too long for max_model_len, unknown token ids)
+                    raise ValueError(f"vLLM refused a prompt of {len(p)} tokens with max_new_tokens={max_new_tokens} "
+                                     f"(config keys `inference.max_model_len`, `env.max_new_tokens`): {e}") from e
+            with self._eager():
+                while self.engine.has_unfinished_requests():
+                    if self.weight_updates is not None and self.cfg.inflight_updates:
+                        update = self.weight_updates()
+                        if update is not None:  # between two steps nothing runs; every request stays scheduled
+                            self._load(update.tensors)
+                            self.version = update.version
+                            log.info("weights version %d loaded in flight (%d requests running)", update.version,
+                                     self.engine.get_num_unfinished_requests())
+                    for out in self.engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
         finally:
-            left = [i for i in ids if i not in done]
+            left = [r for i, r in zip(ids, internal) if i not in done]
             if left:
                 self.engine.abort_request(left)
-        return [[self._completion(c, submitted) for c in sorted(done[i].outputs, key=lambda c: c.index)] for i in ids]
+        groups = [[self._completion(c, submitted) for c in sorted(done[i].outputs, key=lambda c: c.index)] for i in ids]
+        return [[replace(g[0]) for _ in range(n)] if greedy else g for g in groups]
 
     @staticmethod
-    def _completion(c: Any, submitted: Optional[int]) -> VersionedCompletion:
-        spans = [(int(s.version), s.start, s.end) for s in (c.weight_versions or []) if s.version.isdigit()]
-        versions = [v for v, _, _ in spans] + ([submitted] if submitted is not None else [])
+    def _completion(c: Any, submitted: int) -> VersionedCompletion:
+        # vLLM labels each output token with the version set when it was sampled. The request entered the engine at
+        # `submitted`: its prompt's KV cache (or a prefix-cache hit) may come from that version, so that is the oldest.
+        spans = [(int(s.version), s.start, s.end) for s in (c.weight_versions or [])]
         return VersionedCompletion(
             tokens=list(c.token_ids),
             logprobs=list(c.logprobs.logprobs),
             finish_reason="stop" if c.finish_reason == "stop" else "length",
-            min_version=min(versions) if versions else None,
+            min_version=min([submitted] + [v for v, _, _ in spans]),
             max_version=spans[-1][0] if spans else submitted,
             version_spans=spans,
         )
@@ -247,7 +277,8 @@ class VLLMEngine(Engine):
         full = temperature != 1.0
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if full else 0, flat_logprobs=True,
                                 detokenize=False)
-        outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+        with self._eager():
+            outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
         result = []
         for seq, out in zip(sequences, outs):
             flat = out.prompt_logprobs  # position 0 has none; position i: the distribution of token i given its prefix
@@ -273,14 +304,15 @@ class VLLMEngine(Engine):
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: Optional[int] = None) -> None:
         """Loads tensors under their HF checkpoint names; `version` labels the tokens generated from now on."""
-        self._load(named_tensors)
+        with self._eager():
+            self._load(named_tensors)
         if version is not None:
             self.version = version
         if not self.engine.has_unfinished_requests():
             self.engine.reset_prefix_cache()
 
     def _update_path(self) -> str:
-        if self.cfg.tensor_parallel_size > 1:
+        if self.cfg.tensor_parallel_size > 1 or self.cfg.weight_update == "file":
             return "reload from file"
         if self.cfg.weight_update == "inplace" or (
             self.cfg.weight_update == "auto" and self.on_gpu and self.cfg.quantization is None
@@ -288,18 +320,27 @@ class VLLMEngine(Engine):
             return "in-place load_weights"
         return "reload_weights"
 
+    def _eager(self) -> contextlib.AbstractContextManager:
+        """With enforce_eager the model is not compiled, but vLLM still torch.compiles small sampler helpers (the rank
+        of a sampled token): ~10 s of inductor compilation at the first generation on CPU, for no measurable gain.
+        Dynamo is off only around this engine's own calls."""
+        import torch._dynamo
+
+        return torch._dynamo.config.patch(disable=True) if self.cfg.enforce_eager else contextlib.nullcontext()
+
     def _load(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         t0 = time.time()
         path = self._update_path()
+        named_tensors = _with_tied(list(named_tensors), self._tied)
         if path == "reload from file":
-            _reload_from_file(self.llm, self.files / "update", named_tensors)
+            _reload_from_file(self.llm, self.files / f"update-{os.getpid()}", named_tensors)
         elif path == "in-place load_weights":
             if not self.on_gpu:
                 raise ValueError("config key `inference.weight_update`: 'inplace' works on GPU only; the CPU backend "
                                  "repacks weights when loading (use auto or reload)")
-            self.llm.collective_rpc(_gpu_load_weights_inplace, args=(list(named_tensors),))
+            self.llm.collective_rpc(_gpu_load_weights_inplace, args=(named_tensors,))
         else:
-            self.llm.collective_rpc(_reload_weights, args=(list(named_tensors),))
+            self.llm.collective_rpc(_reload_weights, args=(named_tensors,))
         self.updates_applied += 1
         self.update_s += time.time() - t0
 
@@ -307,13 +348,38 @@ class VLLMEngine(Engine):
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
-        del llm, self.engine
-        with contextlib.suppress(Exception):
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        import vllm.v1.engine.core as core
 
-            cleanup_dist_env_and_memory()
+        VLLMEngine._in_process -= self._holds_dist
+        # An in-process EngineCore tears down vLLM's process-global distributed state when it shuts down; while another
+        # engine of this process still uses that state, keep it.
+        keep = VLLMEngine._in_process > 0
+        with mock.patch.object(core, "cleanup_dist_env_and_memory", lambda *a, **k: None) if keep else contextlib.nullcontext():
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+        del llm, self.engine
+        if not keep:
+            with contextlib.suppress(Exception):
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
+
+
+def _tied_parameters(worker: Any) -> List[List[str]]:
+    """Names that share one parameter in the vLLM model (tied input and output embeddings)."""
+    groups: Dict[int, List[str]] = {}
+    for name, p in worker.model_runner.model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _with_tied(tensors: List[Tuple[str, torch.Tensor]], tied: Dict[str, List[str]]) -> List[Tuple[str, torch.Tensor]]:
+    """A trainer sends a tied weight once (`model.embed_tokens.weight`, not `lm_head.weight`). vLLM's reload tracks
+    loads per layer and puts back the old tensor of a layer that received nothing, which would leave the output head on
+    the old weights: send the tensor under every name of the tie."""
+    names = {n for n, _ in tensors}
+    extra = [(alias, t) for n, t in tensors for alias in tied.get(n, ()) if alias not in names]
+    return tensors + extra
 
 
 def _reload_weights(worker: Any, tensors: List[Tuple[str, torch.Tensor]]) -> None:
@@ -338,7 +404,12 @@ def _reload_from_file(llm: Any, folder: Path, named_tensors: Iterable[Tuple[str,
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({n: t.detach().contiguous().cpu() for n, t in named_tensors}, str(tmp / "model.safetensors"))
+    tensors, seen = {}, set()
+    for n, t in named_tensors:
+        t = t.detach().contiguous().cpu()
+        tensors[n] = t.clone() if t.data_ptr() in seen else t  # safetensors refuses two names for one buffer (ties)
+        seen.add(t.data_ptr())
+    save_file(tensors, str(tmp / "model.safetensors"))
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder), "is_checkpoint_format": True})
@@ -361,13 +432,14 @@ def _gpu_engine_args(cfg: InferenceConfig) -> Dict[str, Any]:
 
 def _gpu_pin_devices(cfg: InferenceConfig) -> None:
     """Several engines per node: the engine with local rank i takes GPUs [i*tp, (i+1)*tp), unless the launcher already
-    chose its devices (CUDA_VISIBLE_DEVICES with exactly tp entries)."""
+    chose its devices (CUDA_VISIBLE_DEVICES with exactly tp entries). Runs before CUDA is initialized (device_count
+    asks NVML), as CUDA reads CUDA_VISIBLE_DEVICES once."""
     if cfg.engines_per_node <= 1:
         return
     tp = cfg.tensor_parallel_size
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     devices = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(torch.cuda.device_count())]
-    if len(devices) == tp:
+    if not devices or len(devices) == tp:  # no GPU (CPU backend) or already chosen
         return
     local = int(os.environ.get("SLURM_LOCALID", os.environ.get("LOCAL_RANK", "0")))
     mine = devices[local * tp:(local + 1) * tp]

@@ -1,0 +1,34 @@
+"""The quick start at reduced size, end to end: SFT warm start, then asynchronous RL that raises held-out reward."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_the_quick_start_learns_and_rl_raises_held_out_reward(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhpc.launch", "+exp=reverse_text", f"run_dir={run_dir}", "trainer.steps=60",
+         "eval.interval=20", "launcher.progress=false"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # SFT stops at partial competence; RL, not SFT, earns the gain.
+    assert summary["heldout_reward_base"] < 0.1
+    assert summary["heldout_reward_sft"] <= 0.6
+    assert summary["heldout_reward_rl"] >= summary["heldout_reward_sft"] + 0.05, summary
+    assert summary["rl_steps"] == 60 and [s for s, _ in summary["eval_curve"]] == [0, 20, 40, 60]
+    # What the user sees at the end: the table on the terminal, logs per role, TensorBoard per role, the HF export.
+    assert "held-out reward after RL" in proc.stdout
+    assert {p.name for p in (run_dir / "logs").glob("*.log")} == {"trainer-0.log", "inference-0.log", "inference-1.log"}
+    assert {p.name for p in (run_dir / "tb").iterdir()} == {"trainer-0", "inference-0", "inference-1"}
+    assert (run_dir / "checkpoints" / "final" / "model.safetensors").exists()
+    rows = [json.loads(x) for x in (run_dir / "logs" / "trainer-0.metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if "rollout/reward" in r]
+    for key in ("loss/total", "entropy", "grad_norm", "loss/mismatch_kl", "async/staleness_mean", "queue/pending_files",
+                "perf/tokens_per_s", "perf/train_s"):
+        assert all(key in r for r in rl), key
