@@ -3,6 +3,8 @@
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -29,9 +31,24 @@ def test_synchronous_mode_trains_only_on_groups_from_the_current_weights(tmp_pat
     assert all(abs(r["loss/ratio_mean"] - 1) < 1e-4 for r in rows)
 
 
+def drop_garbage_into_the_queue(run_dir):
+    """While the run starts, a corrupt file appears in the queue (a crashed writer without atomic rename, say)."""
+    pending = run_dir / "queue" / "pending"
+    deadline = time.time() + 120
+    while not pending.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    (pending / "w9-00000000.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+
+
 @pytest.mark.slow
 def test_one_step_overlap_never_trains_on_groups_older_than_the_bound(tmp_path):
+    saboteur = threading.Thread(target=drop_garbage_into_the_queue, args=(tmp_path / "run",))
+    saboteur.start()
     run_dir, rows = run(tmp_path, "async_level=1")
+    saboteur.join()
+    # The corrupt file was moved aside with its reason and counted; the run went on to its last step.
+    assert (run_dir / "queue" / "quarantine" / "w9-00000000.safetensors.reason").exists()
+    assert rows[-1]["queue/quarantined_files"] == 1
     assert all(r["async/staleness_max"] <= 1 for r in rows)
     # The overlap is real: some steps train on groups generated one version back.
     assert any(r["async/staleness_max"] == 1 for r in rows)
