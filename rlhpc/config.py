@@ -101,10 +101,15 @@ class OptimConfig:
 
 @dataclass
 class SFTConfig:
-    # Optimizer steps of the supervised warm start; 0 skips it.
+    # Optimizer steps of the supervised warm start (the most it takes when stop_at_reward is set); 0 skips it.
     steps: int = 0
     batch_size: int = 32
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3))
+    # Stop as soon as the greedy reward on a validation set (train-distribution tasks, never the held-out eval set)
+    # reaches this value, checked every check_interval steps; 0 trains all `steps`.
+    stop_at_reward: float = 0.0
+    check_interval: int = 10
+    validation_tasks: int = 64
 
 
 @dataclass
@@ -117,6 +122,9 @@ class TrainerConfig:
     groups_per_step: int = 16
     # Token budget of one micro-batch (padded tokens); a step accumulates gradients over micro-batches.
     micro_batch_tokens: int = 8192
+    # Logprobs and entropy are computed this many tokens at a time, so a micro-batch's full [tokens x vocabulary]
+    # logits are never held at once (the backward pass recomputes each chunk's logits); 0: the full logits.
+    logprob_chunk_tokens: int = 2048
     optim: OptimConfig = field(default_factory=OptimConfig)
     # Wrap the model with FSDP2 fully_shard (always on when num_ranks > 1).
     fsdp: bool = False
@@ -330,6 +338,8 @@ def validate(cfg: Config) -> None:
         "trainer.groups_per_step",
         f"{cfg.trainer.groups_per_step} must be divisible by trainer.num_ranks ({cfg.trainer.num_ranks})",
     )
+    need(cfg.sft.check_interval >= 1, "sft.check_interval", "must be >= 1")
+    need(0.0 <= cfg.sft.stop_at_reward <= 1.0, "sft.stop_at_reward", "must be in [0, 1] (0: no early stop)")
     need(cfg.queue.max_pending_steps >= 1, "queue.max_pending_steps", "must be >= 1")
     need(cfg.eval.num_tasks >= 1, "eval.num_tasks", "must be >= 1")
     need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")

@@ -28,14 +28,20 @@ def plot_runs(run_dirs: List[Path], out: Path, labels: Optional[List[str]] = Non
         label = labels[i] if labels else summary.get("algo", d.name)
         sft = [(r["step"], r["sft/loss"]) for r in rows if "sft/loss" in r]
         if sft:
-            n = len(sft)
-            ax_sft.plot([k + n for k, _ in sft], [v for _, v in sft], label=label, lw=1)
+            ax_sft.plot([k for k, _ in sft], [v for _, v in sft], label=f"{label} loss", lw=1)
+        val = [(r["step"], r["sft/validation_reward"]) for r in rows if "sft/validation_reward" in r]
+        if val:
+            ax_val = ax_sft.twinx()
+            ax_val.plot([k for k, _ in val], [v for _, v in val], color="tab:green", marker=".", lw=1,
+                        label="validation reward (greedy)")
+            ax_val.set(ylabel="reward", ylim=(0, 1))
+            ax_val.legend(fontsize=8, loc="center right")
         curve = summary.get("eval_curve") or [(r["step"], r["eval/heldout_reward"]) for r in rows if "eval/heldout_reward" in r]
         (line,) = ax_rl.plot([s for s, _ in curve], [v for _, v in curve], marker="o", ms=3, label=f"{label} held-out (greedy)")
         train = [(r["step"], r["rollout/reward"]) for r in rows if "rollout/reward" in r]
         if train:
             ax_rl.plot([s for s, _ in train], [v for _, v in train], color=line.get_color(), alpha=0.25, lw=1)
-    ax_sft.set(title="SFT warm start", xlabel="SFT step", ylabel="loss")
+    ax_sft.set(title="SFT warm start (stops at partial competence)", xlabel="SFT step", ylabel="loss")
     ax_rl.set(title="RL (faded: training rollouts' mean reward)", xlabel="RL step", ylabel="reward", ylim=(0, 1))
     for ax in (ax_sft, ax_rl):
         ax.grid(alpha=0.3)

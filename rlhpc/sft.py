@@ -25,14 +25,25 @@ def make_optimizer(params, optim) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=optim.lr, betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay)
 
 
+def validation_reward(model: torch.nn.Module, tokenizer, env: Environment, cfg: Config) -> float:
+    """Greedy reward on fixed train-distribution tasks (a validation set; the held-out eval set is never used here)."""
+    from rlhpc.engines.hf import HFEngine
+    from rlhpc.rollout import evaluate
+
+    tasks = list(islice(env.tasks("train", seed=cfg.seed + 104729), cfg.sft.validation_tasks))
+    return evaluate(HFEngine(model, tokenizer.pad_token_id), env, tokenizer, tasks, cfg.env.max_new_tokens)
+
+
 def sft_train(
     model: torch.nn.Module,
     tokenizer,
     env: Environment,
     cfg: Config,
     on_step: Optional[Callable[[int, float], None]] = None,
+    on_check: Optional[Callable[[int, float], None]] = None,
 ) -> List[float]:
-    """Trains on (prompt, reference answer) pairs for `cfg.sft.steps` steps; returns the loss of each step."""
+    """Trains on (prompt, reference answer) pairs for `cfg.sft.steps` steps, or until the validation reward reaches
+    `cfg.sft.stop_at_reward` (a warm start to partial competence); returns the loss of each step."""
     sft = cfg.sft
     opt = make_optimizer(model.parameters(), sft.optim)
     tasks = env.tasks("train", seed=cfg.seed + 7919)
@@ -58,6 +69,14 @@ def sft_train(
         losses.append(loss.item())
         if on_step is not None:
             on_step(step, loss.item())
+        if sft.stop_at_reward > 0 and (step + 1) % sft.check_interval == 0:
+            reward = validation_reward(model, tokenizer, env, cfg)
+            model.train()
+            if on_check is not None:
+                on_check(step + 1, reward)
+            if reward >= sft.stop_at_reward:
+                log.info("SFT stops after %d steps: validation reward %.3f >= sft.stop_at_reward", step + 1, reward)
+                break
     return losses
 
 
@@ -90,11 +109,11 @@ def main() -> None:
         engine = HFEngine(model, tok.pad_token_id)
         before = evaluate(engine, env, tok, eval_tasks, cfg.env.max_new_tokens)
         t0 = time.time()
-        sft_train(model, tok, env, cfg, on_step=lambda s, l: s % 50 == 0 and log.info("sft step %d loss %.4f", s, l))
+        losses = sft_train(model, tok, env, cfg, on_step=lambda s, l: s % 50 == 0 and log.info("sft step %d loss %.4f", s, l))
         after = evaluate(engine, env, tok, eval_tasks, cfg.env.max_new_tokens)
         model.save_pretrained(run.model)
         tok.save_pretrained(run.model)
-        out = {"heldout_reward_before": before, "heldout_reward_sft": after, "sft_steps": cfg.sft.steps,
+        out = {"heldout_reward_before": before, "heldout_reward_sft": after, "sft_steps": len(losses),
                "wall_time_s": time.time() - t0, "model": str(run.model)}
         write_json(RunDir(run.root).summary, out)
         print(f"SFT: held-out reward {before:.3f} -> {after:.3f} in {out['wall_time_s']:.0f}s; model in {run.model}")

@@ -201,16 +201,21 @@ class Trainer:
             def on_step(s: int, loss: float) -> None:
                 if stop_requested():
                     raise Stop(stop_requested())
-                self.metrics.log(s - cfg.sft.steps, {"sft/loss": loss})
+                self.metrics.log(s + 1, {"sft/loss": loss})
                 if s % 20 == 0:
                     self.run.heartbeat("trainer", self.rank, phase="sft", sft_step=s, sft_steps=cfg.sft.steps, loss=loss)
 
-            sft_train(model, tok, self.env, cfg, on_step=on_step)
+            def on_check(s: int, reward: float) -> None:
+                self.metrics.log(s, {"sft/validation_reward": reward})
+
+            losses = sft_train(model, tok, self.env, cfg, on_step=on_step, on_check=on_check)
+            out["sft_steps"] = len(losses)
+        else:
+            out["sft_steps"] = 0
         out["heldout_reward_sft"] = evaluate(engine, self.env, tok, tasks, cfg.env.max_new_tokens)
-        out["sft_steps"] = cfg.sft.steps
         out["sft_wall_time_s"] = time.time() - t0
         log.info("warm start: held-out reward %.3f -> %.3f after %d SFT steps (%.1fs)", out["heldout_reward_base"],
-                 out["heldout_reward_sft"], cfg.sft.steps, out["sft_wall_time_s"])
+                 out["heldout_reward_sft"], out["sft_steps"], out["sft_wall_time_s"])
         model.save_pretrained(self.run.model)
         tok.save_pretrained(self.run.model)
         return out
@@ -357,12 +362,16 @@ class Trainer:
     # ---- weights out ---------------------------------------------------------------------------------------------------
 
     def full_state(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) one parameter at a time; with FSDP2 each is all-gathered on demand (all ranks)."""
-        for name, p in self.model.named_parameters():
-            t = p.detach()
+        """(checkpoint name, full tensor): what save_pretrained would write, under its Hugging Face checkpoint names
+        (fused MoE experts split into per-expert views, rlhpc/names.py), one state tensor at a time. With FSDP2 each
+        parameter is all-gathered on demand: every rank must iterate the stream."""
+        from rlhpc.names import CheckpointNames, state_tensors
+
+        names = CheckpointNames.of(self.model)
+        for name, t in state_tensors(self.model):
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
-            yield name, t
+            yield from names.to_checkpoint(name, t)
 
     def publish(self, version: int, eval_due: bool) -> None:
         stream = self.full_state()

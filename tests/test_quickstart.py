@@ -8,11 +8,14 @@ import pytest
 
 
 @pytest.mark.slow
-def test_the_quick_start_learns_and_rl_raises_held_out_reward(tmp_path):
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_the_quick_start_learns_and_rl_raises_held_out_reward(tmp_path, engine):
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="vLLM is not installed (bash .ci/install-vllm.sh)")
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "rlhpc.launch", "+exp=reverse_text", f"run_dir={run_dir}", "trainer.steps=60",
-         "eval.interval=20", "launcher.progress=false"],
+         "eval.interval=20", "launcher.progress=false", f"inference.engine={engine}"],
         capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
