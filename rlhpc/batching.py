@@ -62,17 +62,126 @@ def pad(sequences: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, t
 
 def token_logprobs(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-    with_entropy: bool = False,
+    with_entropy: bool = False, chunk_tokens: int = 2048,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each token given its prefix under softmax(logits / temperature): [B, L-1] for tokens 1..L-1.
-    Entropy (no gradient) of the same distributions if asked."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    out = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp.exp() * logp).sum(-1)
-    return out, entropy
+    Entropy (no gradient) of the same distributions if asked.
+
+    With `chunk_tokens` > 0 (config `trainer.logprob_chunk_tokens`) the [tokens, vocabulary] logits are never held at
+    once: the output head computes them `chunk_tokens` rows at a time, keeps only each row's logprob and entropy, and
+    recomputes a chunk's logits in the backward pass (ChunkedLogprobHead). 0 computes the full logits."""
+    head = model.get_output_embeddings() if chunk_tokens > 0 and _plain_head(model) else None
+    if head is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        out = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                entropy = -(logp.exp() * logp).sum(-1)
+        return out, entropy
+    ChunkedLogprobHead.install(head)
+    head.logprob_request = _Request(input_ids[:, 1:], temperature, chunk_tokens, with_entropy)
+    try:
+        # Through the model's own forward, so that FSDP2 has the head's parameters unsharded while it runs.
+        out = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, L-1, 2]: logprob, entropy
+    finally:
+        head.logprob_request = None
+    return out[..., 0], (out[..., 1].detach() if with_entropy else None)
+
+
+@dataclass
+class _Request:
+    targets: torch.Tensor  # long [B, L-1]
+    temperature: float
+    chunk_tokens: int
+    with_entropy: bool
+
+
+# Config keys of models whose logits are not just the head's output (soft-capping, scaling): those take the full path.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _plain_head(model: torch.nn.Module) -> bool:
+    cfg = getattr(model, "config", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if cfg is None or type(head) not in (torch.nn.Linear, ChunkedLogprobHead):
+        return False
+    return all(getattr(cfg, k, None) in (None, 1.0) for k in _LOGIT_TRANSFORMS)
+
+
+class ChunkedLogprobHead(torch.nn.Linear):
+    """The model's output head (an nn.Linear), computing token logprobs chunk by chunk when `token_logprobs` asks.
+
+    `install` swaps the class of the existing head in place (as FSDP2 does for the modules it wraps), so parameter
+    names, the state dict, save_pretrained and tied embeddings are untouched. Without a request it is the plain head,
+    so generation and scoring still get logits. With one, it returns [B, L-1, 2] (logprob, entropy) computed
+    `chunk_tokens` rows at a time by _ChunkLogprob, whose backward recomputes the chunk's logits: the head's peak
+    memory is one or two [chunk_tokens, vocabulary] fp32 buffers instead of several [tokens, vocabulary] ones."""
+
+    logprob_request: _Request | None = None
+
+    @staticmethod
+    def install(head: torch.nn.Linear) -> None:
+        if type(head) is torch.nn.Linear:
+            head.__class__ = ChunkedLogprobHead
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        req = self.logprob_request
+        if req is None:
+            return super().forward(hidden)
+        B, Lm1 = req.targets.shape
+        if hidden.shape[1] != Lm1 + 1:
+            raise ValueError(f"the output head got {hidden.shape[1]} positions for {Lm1 + 1} input tokens")
+        h = hidden[:, :-1].reshape(B * Lm1, hidden.shape[-1])
+        targets = req.targets.reshape(B * Lm1)
+        pieces = [
+            _ChunkLogprob.apply(h[i : i + req.chunk_tokens], self.weight, self.bias, targets[i : i + req.chunk_tokens],
+                                req.temperature, req.with_entropy)
+            for i in range(0, B * Lm1, req.chunk_tokens)
+        ]
+        logp = torch.cat([p[0] for p in pieces]).view(B, Lm1)
+        entropy = torch.cat([p[1] for p in pieces]).view(B, Lm1)
+        return torch.stack([logp, entropy], dim=-1)  # a new tensor (FSDP2 wants its output not to be a view)
+
+
+class _ChunkLogprob(torch.autograd.Function):
+    """Logprob of `targets` and entropy (no gradient) under softmax((h W^T + b) / T) for one chunk of rows.
+
+    Saves only its inputs and the log-normalizer; the backward pass recomputes the logits into one buffer and turns it
+    in place into d/dlogits = (onehot(target) - softmax) * grad / T."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, temperature, with_entropy):
+        logits = _scaled_logits(h, weight, bias, temperature)  # fp32 [chunk, V], our own buffer
+        lse = torch.logsumexp(logits, dim=-1)
+        logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        if with_entropy:
+            log_probs = logits.sub_(lse.unsqueeze(-1))
+            entropy = -log_probs.exp().mul_(log_probs).sum(-1)
+        else:
+            entropy = torch.zeros_like(logp)
+        ctx.save_for_backward(h, weight, bias, targets, lse)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        h, weight, bias, targets, lse = ctx.saved_tensors
+        grad = _scaled_logits(h, weight, bias, ctx.temperature).sub_(lse.unsqueeze(-1)).exp_()  # softmax
+        grad.mul_(-grad_logp.unsqueeze(-1)).scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        grad = grad.to(weight.dtype)
+        dh = grad @ weight if ctx.needs_input_grad[0] else None
+        dw = grad.t() @ h if ctx.needs_input_grad[1] else None
+        db = grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        return dh, dw, db, None, None, None
+
+
+def _scaled_logits(h, weight, bias, temperature) -> torch.Tensor:
+    logits = torch.nn.functional.linear(h, weight, bias).float()
+    return logits.div_(temperature) if temperature != 1.0 else logits

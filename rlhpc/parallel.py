@@ -2,6 +2,11 @@
 
 On GPU the parameters are kept in bf16 for compute with fp32 gradient reductions (a mixed-precision policy); on CPU
 everything stays fp32. Activation checkpointing wraps each decoder block when asked.
+
+MoE models (Qwen3-MoE, GLM-5, MiniMax-M2, ...) shard the same way: transformers 5 keeps a layer's routed experts in
+two fused parameters, which belong to their block's FSDP unit, so a block's all-gather brings all of its experts (no
+expert parallelism). Parameters that get no gradient on any rank (GLM-5's DSA indexer, run without autograd by
+transformers) are simply left out of the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from rlhpc.config import TrainerConfig
 
 
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The repeated blocks of a Hugging Face causal LM (model.model.layers for Qwen3, GLM, MiniMax, DeepSeek...)."""
+    """The repeated blocks of a Hugging Face causal LM (model.model.layers for Qwen3, Qwen3-MoE, GLM-5, MiniMax-M2,
+    DeepSeek...)."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:

@@ -77,11 +77,15 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Tensors under Hugging Face checkpoint names (in-memory names work too); per-expert MoE tensors are written
+        into their slices of the model's fused experts (rlhpc/names.py)."""
+        from rlhpc.names import Loader
+
+        loader = getattr(self, "_loader", None)
+        if loader is None:
+            loader = self._loader = Loader(self.model)
         for name, tensor in named_tensors:
-            param = self._params.get(name)
-            if param is None:
-                raise KeyError(f"weight update names {name!r}, which the inference model does not have")
-            param.copy_(tensor)
+            loader.load(name, tensor)
 
     @torch.no_grad()
     def score(self, sequences: Sequence[Sequence[int]], temperature: float) -> List[List[float]]:
