@@ -59,7 +59,7 @@ def sft_train(
             masks.append(torch.tensor([0] * len(p) + [1] * len(a), dtype=torch.bool))
         ids, attn = pad(seqs, tokenizer.pad_token_id)
         target_mask, _ = pad(masks, 0)
-        logp, _ = token_logprobs(model, ids, attn)
+        logp, _ = token_logprobs(model, ids, attn, chunk_tokens=cfg.trainer.logprob_chunk_tokens)
         m = target_mask[:, 1:].float()
         loss = -(logp * m).sum() / m.sum()
         opt.zero_grad(set_to_none=True)

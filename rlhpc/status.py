@@ -95,7 +95,7 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
     trainer: Dict[str, Any] = {}
     if hb.get("phase") == "sft":
         trainer.update(phase="sft", sft_step=hb.get("sft_step"), sft_steps=hb.get("sft_steps"))
-    rl_rows = [r for r in rows if r.get("step", 0) > 0]
+    rl_rows = [r for r in rows if not any(k.startswith("sft/") for k in r)]  # SFT rows carry only sft/* scalars
     if rl_rows or "step" in hb:
         trainer.update(phase="rl", step=max([r["step"] for r in rl_rows] + [hb.get("step", 0)]), steps=hb.get("steps"))
     for key, name in (("rollout/reward", "reward"), ("eval/heldout_reward", "heldout_reward"),

@@ -24,6 +24,7 @@ from rlhpc.batching import balance_ranks, pad, plan_micro_batches, token_logprob
 from rlhpc.config import Config
 from rlhpc.engines.hf import HFEngine
 from rlhpc.loss import LossInputs
+from rlhpc.names import checkpoint_layout
 from rlhpc.metrics import Metrics
 from rlhpc.queue import Claim, Queue, RolloutBatch
 from rlhpc.role import Identity, Stop, stop_requested
@@ -287,7 +288,8 @@ class Trainer:
             masks, _ = pad([batch.loss_mask[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()], 0)
             inf_lp = _float_pad([batch.logprobs[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()])
             ids, attn = ids.to(self.device), attn.to(self.device)
-            logp, entropy = token_logprobs(self.model, ids, attn, cfg.algo.temperature, with_entropy=True)
+            logp, entropy = token_logprobs(self.model, ids, attn, cfg.algo.temperature, with_entropy=True,
+                                           chunk_tokens=cfg.trainer.logprob_chunk_tokens)
             sel = masks[:, 1:].bool().to(self.device)
             row = torch.arange(len(samples), device=self.device).unsqueeze(1).expand_as(sel)[sel]
             inputs = LossInputs(
@@ -299,7 +301,8 @@ class Trainer:
             )
             if self.reference is not None:
                 with torch.no_grad():
-                    ref_lp, _ = token_logprobs(self.reference, ids, attn, cfg.algo.temperature)
+                    ref_lp, _ = token_logprobs(self.reference, ids, attn, cfg.algo.temperature,
+                                               chunk_tokens=cfg.trainer.logprob_chunk_tokens)
                 inputs.reference_logprobs = ref_lp[sel]
             out = self.loss_fn(inputs, cfg.algo)
             weight = loss_mod.token_weights(inputs, cfg.algo.normalize, total_tokens, total_samples,
@@ -338,7 +341,7 @@ class Trainer:
     def idle_pass(self) -> None:
         """A forward/backward that adds nothing to the gradients, for a rank with fewer micro-batches than others."""
         ids = torch.tensor([[self.tokenizer.pad_token_id, self.tokenizer.pad_token_id]], device=self.device)
-        logp, _ = token_logprobs(self.model, ids, torch.ones_like(ids))
+        logp, _ = token_logprobs(self.model, ids, torch.ones_like(ids), chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
         (logp.sum() * 0.0).backward()
 
     def claim_stats(self, step: int, claim: Claim) -> Dict[str, float]:
@@ -385,7 +388,7 @@ class Trainer:
         if snap and version % snap == 0 and self.cfg.weights.transport == "broadcast":
             stream = list(stream)
             write_snapshot(self.run, version, stream)
-        self.sender.publish(version, stream)
+        self.sender.publish(version, stream, layout=checkpoint_layout(self.model))
 
     def export(self, path) -> None:
         """Hugging Face folder (safetensors, config, tokenizer) of the current weights. Collective with FSDP."""

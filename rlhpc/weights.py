@@ -48,8 +48,9 @@ class Update:
 
 class WeightsSender(ABC):
     @abstractmethod
-    def publish(self, version: int, tensors: NamedTensors) -> int:
-        """Sends weights `version`; returns the bytes sent."""
+    def publish(self, version: int, tensors: NamedTensors, layout=None) -> int:
+        """Sends weights `version`; returns the bytes sent. `layout` ((name, shape, dtype) of the stream, in order)
+        lets a streaming sender fix its buckets without holding the stream."""
 
     def close(self) -> None:
         pass
@@ -106,7 +107,7 @@ class FilesystemSender(WeightsSender):
     def __init__(self, run: RunDir, keep: int = 2):
         self.run, self.keep = run, keep
 
-    def publish(self, version: int, tensors: NamedTensors) -> int:
+    def publish(self, version: int, tensors: NamedTensors, layout=None) -> int:
         d = write_snapshot(self.run, version, tensors, keep=self.keep)
         return (d / "model.safetensors").stat().st_size
 
@@ -234,14 +235,16 @@ class BroadcastSender(WeightsSender):
         opts.rootRank = 0
         self.group.broadcast([t], opts).wait()
 
-    def publish(self, version: int, tensors: NamedTensors) -> int:
+    def publish(self, version: int, tensors: NamedTensors, layout=None) -> int:
         stream = iter(tensors)
         if self.layout is None:  # the first update fixes the layout; later ones stream in the same order
-            first = list(stream)
-            self.layout = [(n, list(t.shape), str(t.dtype)) for n, t in first]
+            if layout is None:  # without metadata, learn it from the stream (holds one full copy, once)
+                first = list(stream)
+                layout = [(n, t.shape, t.dtype) for n, t in first]
+                stream = iter(first)
+            self.layout = [(n, list(shape), str(dtype)) for n, shape, dtype in layout]
             self.store.set("layout", json.dumps({"tensors": self.layout, "bucket_bytes": self.bucket_bytes}))
             self.buckets = _bucketize(self.layout, self.bucket_bytes)
-            stream = iter(first)
         self._broadcast(torch.tensor([version, 1], dtype=torch.int64, device=self.device))
         sent = 0
         for bucket in self.buckets:

@@ -25,7 +25,7 @@ from rlhpc.cluster.slurm_identity import SlurmIdentityError, first_node, identit
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["+exp=reverse_text", "sft.steps=5", "eval.num_tasks=8", "eval.interval=0", "launcher.progress=true",
          "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1"]
-ON_CLUSTER = ["+cluster=local", "launcher=slurm"]
+ON_CLUSTER = ["cluster=local", "launcher=slurm"]
 
 
 def launch(*args: str, cwd: Path, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -369,7 +369,7 @@ def test_a_requeued_job_resumes_and_trains_every_group_exactly_once(cluster, tmp
 @pytest.mark.slurm
 def test_the_sbatch_template_runs_a_chosen_experiment_and_checks_its_allocation(cluster, tmp_path):
     template = REPO / "sbatch" / "rlhpc.sbatch"
-    overrides = ["+cluster=local", *SMALL[1:], "trainer.steps=2"]
+    overrides = ["cluster=local", *SMALL[1:], "trainer.steps=2"]
     env = dict(os.environ, RLHPC_EXP="reverse_text", RLHPC_PYTHON=sys.executable)
     submit = ["sbatch", "--parsable", f"--job-name={cluster.name}", str(template)]
     job_id = subprocess.run([*submit, *overrides], capture_output=True, text=True, env=env, cwd=tmp_path,
