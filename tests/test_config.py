@@ -68,3 +68,16 @@ def test_a_saved_config_loads_back_identically(tmp_path):
     cfg = composed("+exp=reverse_text", f"run_dir={tmp_path}", "seed=7")
     config_mod.save(cfg, tmp_path / "config.yaml")
     assert config_mod.load(tmp_path) == cfg
+
+
+def test_the_glm5_preset_plans_fp8_and_prefill_decode_disaggregation_without_submitting(tmp_path):
+    env = dict(__import__("os").environ, RLHPC_MODEL_PATH=str(tmp_path / "glm5-checkpoint"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhpc.launch", "+exp=glm5", "launcher=slurm", "cluster=gpu_example", "dry_run=true",
+         f"run_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "weights fp8, kv cache fp8" in proc.stdout and "prefill/decode disaggregation" in proc.stdout
+    assert "16 rank(s)" in proc.stdout and "#SBATCH hetjob" in proc.stdout
+    assert not (tmp_path / "run").exists()  # nothing submitted, nothing written
