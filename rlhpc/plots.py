@@ -20,17 +20,22 @@ def plot_runs(run_dirs: List[Path], out: Path, labels: Optional[List[str]] = Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_sft, ax_rl) = plt.subplots(1, 2, figsize=(12, 4.5))
+    with_sft = any("sft/loss" in r for d in run_dirs for r in read_rows(RunDir(d), "trainer", 0))
+    if with_sft:
+        fig, (ax_sft, ax_rl) = plt.subplots(1, 2, figsize=(12, 4.5))
+    else:  # RL only (e.g. from model.path with sft.steps=0)
+        fig, ax_rl = plt.subplots(1, 1, figsize=(7, 4.5))
+        ax_sft = None
     for i, d in enumerate(run_dirs):
         run = RunDir(d)
         rows = read_rows(run, "trainer", 0)
         summary = read_json(run.summary) or {}
         label = labels[i] if labels else summary.get("algo", d.name)
         sft = [(r["step"], r["sft/loss"]) for r in rows if "sft/loss" in r]
-        if sft:
+        if sft and ax_sft is not None:
             ax_sft.plot([k for k, _ in sft], [v for _, v in sft], label=f"{label} loss", lw=1)
         val = [(r["step"], r["sft/validation_reward"]) for r in rows if "sft/validation_reward" in r]
-        if val:
+        if val and ax_sft is not None:
             ax_val = ax_sft.twinx()
             ax_val.plot([k for k, _ in val], [v for _, v in val], color="tab:green", marker=".", lw=1,
                         label="validation reward (greedy)")
@@ -41,9 +46,10 @@ def plot_runs(run_dirs: List[Path], out: Path, labels: Optional[List[str]] = Non
         train = [(r["step"], r["rollout/reward"]) for r in rows if "rollout/reward" in r]
         if train:
             ax_rl.plot([s for s, _ in train], [v for _, v in train], color=line.get_color(), alpha=0.25, lw=1)
-    ax_sft.set(title="SFT warm start (stops at partial competence)", xlabel="SFT step", ylabel="loss")
+    if ax_sft is not None:
+        ax_sft.set(title="SFT warm start (stops at partial competence)", xlabel="SFT step", ylabel="loss")
     ax_rl.set(title="RL (faded: training rollouts' mean reward)", xlabel="RL step", ylabel="reward", ylim=(0, 1))
-    for ax in (ax_sft, ax_rl):
+    for ax in (a for a in (ax_sft, ax_rl) if a is not None):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if title:
