@@ -311,7 +311,7 @@ class Trainer:
             loss.backward()
             k = int(sel.sum())
             n_loss_tokens += k
-            sums["loss/total"] = sums.get("loss/total", 0.0) + float(loss) / self.world
+            sums["loss/total"] = sums.get("loss/total", 0.0) + float(loss.detach()) / self.world
             sums["entropy"] = sums.get("entropy", 0.0) + float(entropy[sel].sum())
             for name, v in out.metrics.items():
                 sums[f"loss/{name}"] = sums.get(f"loss/{name}", 0.0) + float(v) * k
