@@ -50,9 +50,10 @@ def balance_ranks(lengths: torch.Tensor, group_of: torch.Tensor, world: int) -> 
     return [torch.nonzero(owner_t == r).flatten() for r in range(world)]
 
 
-def pad(sequences: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pad(sequences: Sequence[torch.Tensor], pad_value: float | int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pads 1-d tensors of one dtype into [B, L] (keeping that dtype) and returns it with the attention mask."""
     width = max(int(s.numel()) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    ids = torch.full((len(sequences), width), pad_value, dtype=sequences[0].dtype)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, s in enumerate(sequences):
         ids[i, : s.numel()] = s

@@ -22,7 +22,7 @@ from rlhpc.metrics import Metrics
 from rlhpc.queue import Queue
 from rlhpc.role import Identity, Stop, stop_requested
 from rlhpc.rollout import generate_groups
-from rlhpc.rundir import RunDir, read_json, wait_for
+from rlhpc.rundir import RunDir, wait_for
 from rlhpc.weights import BroadcastReceiver, FilesystemReceiver, WeightsReceiver
 
 log = logging.getLogger(__name__)
@@ -118,5 +118,4 @@ def make_receiver(cfg: Config, ident: Identity, run: RunDir) -> WeightsReceiver:
 def _failed(run: RunDir) -> Optional[str]:
     if stop_requested():
         raise Stop(stop_requested())
-    info = read_json(run.failed)
-    return f"{info['role']} rank {info['rank']} failed: {info['error']}" if info else None
+    return run.failure()

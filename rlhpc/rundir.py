@@ -120,6 +120,11 @@ class RunDir:
     def failed(self) -> Path:
         return self.status / "FAILED"
 
+    def failure(self) -> Optional[str]:
+        """What status/FAILED says (the first role that failed), or None."""
+        info = read_json(self.failed)
+        return f"{info['role']} rank {info['rank']} failed: {info['error']}" if info else None
+
     def make(self) -> "RunDir":
         for p in (self.queue, self.weights, self.checkpoints, self.rendezvous, self.tb, self.logs, self.status):
             p.mkdir(parents=True, exist_ok=True)

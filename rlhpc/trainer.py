@@ -252,8 +252,7 @@ class Trainer:
         return self.queue.wait_claim(step, timeout, abort=abort)
 
     def run_failed(self) -> Optional[str]:
-        info = read_json(self.run.failed)
-        return f"{info['role']} rank {info['rank']} failed: {info['error']}" if info else None
+        return self.run.failure()
 
     def train_step(self, step: int, batch: RolloutBatch) -> Dict[str, float]:
         t0 = time.time()
@@ -286,7 +285,7 @@ class Trainer:
             seqs = [batch.tokens[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()]
             ids, attn = pad(seqs, self.tokenizer.pad_token_id)
             masks, _ = pad([batch.loss_mask[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()], 0)
-            inf_lp = _float_pad([batch.logprobs[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()])
+            inf_lp, _ = pad([batch.logprobs[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()], 0)
             ids, attn = ids.to(self.device), attn.to(self.device)
             logp, entropy = token_logprobs(self.model, ids, attn, cfg.algo.temperature, with_entropy=True,
                                            chunk_tokens=cfg.trainer.logprob_chunk_tokens)
@@ -403,14 +402,6 @@ class Trainer:
             model = self.model if self.world == 1 else self.eval_engine.model
             model.save_pretrained(path)
             self.tokenizer.save_pretrained(path)
-
-
-def _float_pad(seqs: List[torch.Tensor]) -> torch.Tensor:
-    width = max(int(s.numel()) for s in seqs)
-    out = torch.zeros((len(seqs), width), dtype=torch.float32)
-    for i, s in enumerate(seqs):
-        out[i, : s.numel()] = s
-    return out
 
 
 def _tee_into(stream, engine: HFEngine):
