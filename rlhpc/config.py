@@ -139,6 +139,25 @@ class TrainerConfig:
 
 
 @dataclass
+class DisaggregationConfig:
+    """Prefill/decode disaggregation (vLLM only; docs/vllm.md): each inference worker runs a prefill instance (vLLM
+    kv_role kv_producer) and a decode instance (kv_consumer); the prompt is computed on the first, its KV cache moves
+    through `connector` to the second, which samples the completion."""
+
+    enabled: bool = False
+    # vLLM KV connector joining the two: "NixlConnector" (GPU memory to GPU memory, RDMA/NVLink; GPU path) or
+    # "ExampleConnector" (KV cache through files under <run_dir>/vllm/kv/; the one that runs on vLLM's CPU backend).
+    connector: str = "NixlConnector"
+    # GPUs of the prefill instance (its tensor parallel size); 0: inference.tensor_parallel_size. The decode instance
+    # has inference.tensor_parallel_size GPUs. A worker takes both instances' GPUs of its node (GPU only).
+    prefill_tensor_parallel_size: int = 0
+    # Where NixlConnector registers the KV cache for transfer: "cuda" (GPU memory) or "cpu" (a host staging buffer).
+    kv_buffer_device: str = "cuda"
+    # Extra kv_connector_extra_config of both instances, passed as given.
+    connector_extra_config: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class InferenceConfig:
     # "hf" (transformers, the embedded default) or "vllm" (rlhpc.engines.vllm; see docs/vllm.md).
     engine: str = "hf"
@@ -176,8 +195,10 @@ class InferenceConfig:
     # vLLM engines (inference workers) per node; with local rank i an engine uses GPUs [i*tp, (i+1)*tp) where
     # tp = tensor_parallel_size (GPU only; cluster.inference.tasks_per_node should match).
     engines_per_node: int = 1
-    # Prefill/decode disaggregation: vLLM's kv_transfer_config, e.g. {kv_connector: NixlConnector, kv_role: kv_both};
-    # empty: off (GPU only).
+    # Prefill/decode disaggregation: separate prefill and decode vLLM instances per worker (see DisaggregationConfig).
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+    # vLLM's kv_transfer_config of a single (not disaggregated) engine, passed as given (e.g. a KV offloading
+    # connector); empty: none. With `disaggregation.enabled` the two instances' configs are made from that section.
     kv_transfer_config: Dict[str, Any] = field(default_factory=dict)
     # Further vLLM EngineArgs, passed as given; they override everything above.
     engine_args: Dict[str, Any] = field(default_factory=dict)
@@ -327,6 +348,26 @@ def validate(cfg: Config) -> None:
     need(cfg.trainer.num_ranks >= 1, "trainer.num_ranks", "must be >= 1")
     need(cfg.inference.num_workers >= 1, "inference.num_workers", "must be >= 1")
     need(cfg.inference.groups_per_batch >= 1, "inference.groups_per_batch", "must be >= 1")
+    pd = cfg.inference.disaggregation
+    if pd.enabled:
+        need(cfg.inference.engine == "vllm", "inference.disaggregation.enabled",
+             f"prefill/decode disaggregation needs inference.engine=vllm (not {cfg.inference.engine!r})")
+        need(bool(pd.connector), "inference.disaggregation.connector", "names the vLLM KV connector (NixlConnector)")
+        need(pd.prefill_tensor_parallel_size >= 0, "inference.disaggregation.prefill_tensor_parallel_size",
+             "must be >= 0 (0: inference.tensor_parallel_size)")
+        need(pd.kv_buffer_device in ("cuda", "cpu"), "inference.disaggregation.kv_buffer_device",
+             f"{pd.kv_buffer_device!r} is not one of cuda, cpu")
+        need(not cfg.inference.kv_transfer_config, "inference.kv_transfer_config",
+             "must be empty with inference.disaggregation.enabled: the two instances' KV transfer configs are made "
+             "from inference.disaggregation")
+        gpus = cfg.cluster.inference.gpus_per_node
+        per_worker = (pd.prefill_tensor_parallel_size or cfg.inference.tensor_parallel_size) \
+            + cfg.inference.tensor_parallel_size
+        need(not gpus or per_worker * max(cfg.inference.engines_per_node, 1) <= gpus,
+             "inference.disaggregation.prefill_tensor_parallel_size",
+             f"a worker's prefill and decode instances need {per_worker} GPUs (prefill_tensor_parallel_size + "
+             f"inference.tensor_parallel_size) x inference.engines_per_node={cfg.inference.engines_per_node}, but a "
+             f"node has {gpus} (cluster.inference.gpus_per_node)")
     need(
         cfg.trainer.groups_per_step % cfg.inference.groups_per_batch == 0,
         "trainer.groups_per_step",

@@ -79,5 +79,9 @@ def test_the_glm5_preset_plans_fp8_and_prefill_decode_disaggregation_without_sub
     )
     assert proc.returncode == 0, proc.stderr
     assert "weights fp8, kv cache fp8" in proc.stdout and "prefill/decode disaggregation" in proc.stdout
+    # The P/D layout: a prefill and a decode instance per worker, on their own GPUs, joined by NIXL.
+    assert "prefill instance: kv_role kv_producer, tensor_parallel_size 4, GPUs [0, 4)" in proc.stdout
+    assert "decode instance:  kv_role kv_consumer, tensor_parallel_size 4, GPUs [4, 8)" in proc.stdout
+    assert "KV connector: NixlConnector" in proc.stdout
     assert "16 rank(s)" in proc.stdout and "#SBATCH hetjob" in proc.stdout
     assert not (tmp_path / "run").exists()  # nothing submitted, nothing written

@@ -163,10 +163,15 @@ class VLLMEngine(Engine):
             args.update(_gpu_engine_args(cfg))
         else:
             args["kv_cache_memory_bytes"] = int((cfg.kv_cache_gb or _CPU_DEFAULT_KV_CACHE_GB) * (1 << 30))
+        if cfg.kv_transfer_config:
+            from vllm.config import KVTransferConfig
+
+            args["kv_transfer_config"] = KVTransferConfig(**cfg.kv_transfer_config)
         args.update(cfg.engine_args)
         set_threads = torch.set_num_threads  # the CPU worker replaces it with a no-op for the whole process
         t0 = time.time()
-        with _tempdir(self.files / "tmp"), self._eager():
+        self._kv_connector: Any = None  # this engine's worker-side KV connector (see _active)
+        with _tempdir(self.files / "tmp"), self._eager(), _own_kv_connector(self):
             self.llm = LLM(**args)
         torch.set_num_threads = set_threads
         self._holds_dist = cfg.tensor_parallel_size == 1
@@ -207,11 +212,18 @@ class VLLMEngine(Engine):
         stop_token_ids: Sequence[int],
         greedy: bool = False,
     ) -> List[List[Completion]]:
+        submitted = self._version
+        params = self.sampling_params(n, temperature, max_new_tokens, stop_token_ids, greedy)
+        outs = self.run(prompts, params, between_steps=self._apply_inflight_update)
+        return self.completions(outs, n, greedy, submitted)
+
+    def sampling_params(self, n: int, temperature: float, max_new_tokens: int, stop_token_ids: Sequence[int],
+                        greedy: bool) -> Any:
+        """The sampling contract of the module docstring as vLLM SamplingParams."""
         from vllm import SamplingParams
-        from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
+        return SamplingParams(
             n=1 if greedy else n,  # vLLM refuses n > 1 for greedy: the n completions are copies of one
             temperature=0.0 if greedy else temperature,
             top_p=1.0,
@@ -225,35 +237,66 @@ class VLLMEngine(Engine):
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        submitted = self._version
+
+    def run(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Any,
+        kv_transfer_params: Optional[Sequence[Optional[Dict[str, Any]]]] = None,
+        between_steps: Optional[Callable[[], None]] = None,
+    ) -> List[Any]:
+        """Adds one request per prompt and steps the engine until all are finished; returns vLLM's RequestOutputs in
+        prompt order. `kv_transfer_params` (one per prompt) go to the KV connector (prefill/decode disaggregation);
+        `between_steps` runs before every step, when nothing runs in the engine."""
+        from vllm.exceptions import VLLMValidationError
+
         ids = [f"g{next(self._ids)}" for _ in prompts]
         internal: List[str] = []
         done: Dict[str, Any] = {}
         try:
-            for i, p in zip(ids, prompts):
-                try:
-                    internal.append(self.engine.add_request(i, {"prompt_token_ids": list(p)}, params))
-                except (ValueError, VLLMValidationError) as e:  # vLLM's validation errors (too long for max_model_len, unknown token ids)
-                    raise ValueError(f"vLLM refused a prompt of {len(p)} tokens with max_new_tokens={max_new_tokens} "
-                                     f"(config keys `inference.max_model_len`, `env.max_new_tokens`): {e}") from e
-            with self._eager():
-                while self.engine.has_unfinished_requests():
-                    if self.weight_updates is not None and self.cfg.inflight_updates:
-                        update = self.weight_updates()
-                        if update is not None:  # between two steps nothing runs; every request stays scheduled
-                            self._load(update.tensors)
-                            self.version = update.version
-                            log.info("weights version %d loaded in flight (%d requests running)", update.version,
-                                     self.engine.get_num_unfinished_requests())
+            with self._active():
+                for k, (i, p) in enumerate(zip(ids, prompts)):
+                    request_params = params
+                    if kv_transfer_params is not None:
+                        request_params = params.clone()
+                        request_params.extra_args = {"kv_transfer_params": kv_transfer_params[k]}
+                    try:
+                        internal.append(self.engine.add_request(i, {"prompt_token_ids": list(p)}, request_params))
+                    except (ValueError, VLLMValidationError) as e:  # too long for max_model_len, unknown token ids
+                        raise ValueError(f"vLLM refused a prompt of {len(p)} tokens with max_new_tokens="
+                                         f"{params.max_tokens} (config keys `inference.max_model_len`, "
+                                         f"`env.max_new_tokens`): {e}") from e
+            while True:
+                if between_steps is not None:
+                    between_steps()
+                with self._active():
+                    if not self.engine.has_unfinished_requests():
+                        break
                     for out in self.engine.step():
                         if out.finished:
                             done[out.request_id] = out
         finally:
             left = [r for i, r in zip(ids, internal) if i not in done]
             if left:
-                self.engine.abort_request(left)
-        groups = [[self._completion(c, submitted) for c in sorted(done[i].outputs, key=lambda c: c.index)] for i in ids]
+                with self._active():
+                    self.engine.abort_request(left)
+        return [done[i] for i in ids]
+
+    def completions(self, outs: Sequence[Any], n: int, greedy: bool, submitted: int) -> List[List[Completion]]:
+        groups = [[self._completion(c, submitted) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
         return [[replace(g[0]) for _ in range(n)] if greedy else g for g in groups]
+
+    def _apply_inflight_update(self) -> None:
+        """Between two steps nothing runs and every request stays scheduled: new weights can land."""
+        if self.weight_updates is None or not self.cfg.inflight_updates:
+            return
+        update = self.weight_updates()
+        if update is not None:
+            with self._active():
+                self._load(update.tensors)
+            self.version = update.version
+            log.info("weights version %d loaded in flight (%d requests running)", update.version,
+                     self.engine.get_num_unfinished_requests())
 
     @staticmethod
     def _completion(c: Any, submitted: int) -> VersionedCompletion:
@@ -277,7 +320,7 @@ class VLLMEngine(Engine):
         full = temperature != 1.0
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if full else 0, flat_logprobs=True,
                                 detokenize=False)
-        with self._eager():
+        with self._active():
             outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
         result = []
         for seq, out in zip(sequences, outs):
@@ -304,12 +347,12 @@ class VLLMEngine(Engine):
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: Optional[int] = None) -> None:
         """Loads tensors under their HF checkpoint names; `version` labels the tokens generated from now on."""
-        with self._eager():
+        with self._active():
             self._load(named_tensors)
-        if version is not None:
-            self.version = version
-        if not self.engine.has_unfinished_requests():
-            self.engine.reset_prefix_cache()
+            if version is not None:
+                self.version = version
+            if not self.engine.has_unfinished_requests():
+                self.engine.reset_prefix_cache()
 
     def _update_path(self) -> str:
         if self.cfg.tensor_parallel_size > 1 or self.cfg.weight_update == "file":
@@ -327,6 +370,14 @@ class VLLMEngine(Engine):
         import torch._dynamo
 
         return torch._dynamo.config.patch(disable=True) if self.cfg.enforce_eager else contextlib.nullcontext()
+
+    def _active(self) -> contextlib.AbstractContextManager:
+        """Around every call into the engine: dynamo off (see _eager) and this engine's KV connector installed."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._eager())
+        if self._kv_connector is not None:
+            stack.enter_context(_installed_kv_connector(self._kv_connector))
+        return stack
 
     def _load(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         t0 = time.time()
@@ -355,14 +406,45 @@ class VLLMEngine(Engine):
         # engine of this process still uses that state, keep it.
         keep = VLLMEngine._in_process > 0
         with mock.patch.object(core, "cleanup_dist_env_and_memory", lambda *a, **k: None) if keep else contextlib.nullcontext():
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), self._active():
                 llm.llm_engine.engine_core.shutdown()
+        if self._kv_connector is not None:
+            with contextlib.suppress(Exception):
+                self._kv_connector.shutdown()
+            self._kv_connector = None
         del llm, self.engine
         if not keep:
             with contextlib.suppress(Exception):
                 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
                 cleanup_dist_env_and_memory()
+
+
+@contextlib.contextmanager
+def _own_kv_connector(engine: VLLMEngine) -> Iterator[None]:
+    """vLLM keeps the worker-side KV connector in one process-global (kv_transfer_state._KV_CONNECTOR_AGENT) and
+    reuses whatever is there: a second in-process engine (the decode instance next to a prefill instance) would run on
+    the first one's connector. Each engine builds its own from an empty slot and takes it along; `_active` puts it
+    back around every call. (Engines whose workers are other processes, tensor_parallel_size > 1, leave it empty.)"""
+    from vllm.distributed.kv_transfer import kv_transfer_state as state
+
+    saved, state._KV_CONNECTOR_AGENT = state._KV_CONNECTOR_AGENT, None
+    try:
+        yield
+        engine._kv_connector = state._KV_CONNECTOR_AGENT
+    finally:
+        state._KV_CONNECTOR_AGENT = saved
+
+
+@contextlib.contextmanager
+def _installed_kv_connector(connector: Any) -> Iterator[None]:
+    from vllm.distributed.kv_transfer import kv_transfer_state as state
+
+    saved, state._KV_CONNECTOR_AGENT = state._KV_CONNECTOR_AGENT, connector
+    try:
+        yield
+    finally:
+        state._KV_CONNECTOR_AGENT = saved
 
 
 def _tied_parameters(worker: Any) -> List[List[str]]:
@@ -419,24 +501,21 @@ def _reload_from_file(llm: Any, folder: Path, named_tensors: Iterable[Tuple[str,
 
 
 def _gpu_engine_args(cfg: InferenceConfig) -> Dict[str, Any]:
-    """Engine arguments that only mean something on GPU: memory share, KV cache size, P/D disaggregation."""
+    """Engine arguments that only mean something on GPU: memory share, KV cache size."""
     args: Dict[str, Any] = {"gpu_memory_utilization": cfg.gpu_memory_utilization}
     if cfg.kv_cache_gb:
         args["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * (1 << 30))
-    if cfg.kv_transfer_config:
-        from vllm.config import KVTransferConfig
-
-        args["kv_transfer_config"] = KVTransferConfig(**cfg.kv_transfer_config)
     return args
 
 
-def _gpu_pin_devices(cfg: InferenceConfig) -> None:
+def _gpu_pin_devices(cfg: InferenceConfig, tp: Optional[int] = None) -> None:
     """Several engines per node: the engine with local rank i takes GPUs [i*tp, (i+1)*tp), unless the launcher already
-    chose its devices (CUDA_VISIBLE_DEVICES with exactly tp entries). Runs before CUDA is initialized (device_count
-    asks NVML), as CUDA reads CUDA_VISIBLE_DEVICES once."""
+    chose its devices (CUDA_VISIBLE_DEVICES with exactly tp entries); `tp` is the engine's GPU count
+    (tensor_parallel_size; both instances' together with prefill/decode disaggregation). Runs before CUDA is
+    initialized (device_count asks NVML), as CUDA reads CUDA_VISIBLE_DEVICES once."""
     if cfg.engines_per_node <= 1:
         return
-    tp = cfg.tensor_parallel_size
+    tp = tp or cfg.tensor_parallel_size
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     devices = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(torch.cuda.device_count())]
     if not devices or len(devices) == tp:  # no GPU (CPU backend) or already chosen

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import IO, List, Optional
 
 from rlhpc.config import Config
+from rlhpc.engines.disagg import describe as disagg_describe
 from rlhpc.rundir import RunDir, read_json
 
 
@@ -57,7 +58,7 @@ class LocalLauncher:
             f"  inference: {c.inference.num_workers} process(es), engine={c.inference.engine}\n"
             f"  weights group: {c.inference.num_workers + 1} members ({c.weights.transport})\n"
             f"  steps: sft={c.sft.steps} rl={c.trainer.steps} async_level={c.async_level}"
-        )
+        ) + "".join("\n" + line for line in disagg_describe(c.inference))
 
     def spawn(self, run: RunDir, role: str, rank: int, size: int, extra_env: dict) -> Proc:
         env = dict(os.environ)

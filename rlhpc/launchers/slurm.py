@@ -27,6 +27,7 @@ from hydra.experimental.callback import Callback
 from rlhpc.cluster import slurm_jobs
 from rlhpc.cluster.hetjob import JobPlan, describe, make_plan, render_script
 from rlhpc.config import Config
+from rlhpc.engines.disagg import describe as disagg_describe
 from rlhpc.rundir import RunDir, read_json
 
 POLL_S = 2.0
@@ -47,7 +48,12 @@ class SlurmLauncher:
         self.job: JobPlan = make_plan(cfg)
 
     def plan(self) -> str:
-        return describe(self.job, self.cfg, self.name)
+        text = describe(self.job, self.cfg, self.name)
+        pd = disagg_describe(self.cfg.inference)
+        if pd:  # the P/D layout goes with the inference lines, before the job script
+            head, sep, script = text.partition("\n\n----- job script -----")
+            text = "\n".join([head] + pd) + sep + script
+        return text
 
     # ---- submission ----------------------------------------------------------------------------------------------
 
