@@ -278,7 +278,7 @@ def describe(plan: JobPlan, cfg: Config, launcher: str) -> str:
         f"  inference engine: {cfg.inference.engine} (tensor_parallel_size {cfg.inference.tensor_parallel_size}, "
         f"engines_per_node {cfg.inference.engines_per_node}, weights {cfg.inference.quantization or cfg.model.dtype}, "
         f"kv cache {cfg.inference.kv_cache_dtype}"
-        + (f", prefill/decode disaggregation {dict(cfg.inference.kv_transfer_config)}" if cfg.inference.kv_transfer_config
+        + (f", kv_transfer_config {dict(cfg.inference.kv_transfer_config)}" if cfg.inference.kv_transfer_config
            else "") + ")",
         f"  weights group: {plan.inference.tasks + 1} members (trainer rank 0 + {plan.inference.tasks} inference "
         f"workers), transport {w.transport}",
