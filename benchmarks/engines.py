@@ -40,7 +40,7 @@ def main() -> None:
 
     from rlhpc import models
     from rlhpc.config import InferenceConfig, ModelConfig
-    from rlhpc.engines import make_engine
+    from rlhpc.infer.engines import make_engine
 
     torch.set_num_threads(args.threads)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="rlhpc-bench-engines-"))

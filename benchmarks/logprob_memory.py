@@ -1,5 +1,5 @@
 """Peak memory of token logprobs (+ entropy, + backward) with the full [tokens x vocabulary] logits against the chunked
-output head (rlhpc.batching, `trainer.logprob_chunk_tokens`), on a long sequence with a large vocabulary and a small
+output head (rlhpc.train.batching, `trainer.logprob_chunk_tokens`), on a long sequence with a large vocabulary and a small
 model, so that the logits dominate.
 
     python benchmarks/logprob_memory.py [--vocab 151936] [--tokens 8192] [--hidden 64] [--chunk 2048] [--device cpu]
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlhpc import models  # noqa: E402
-from rlhpc.batching import token_logprobs  # noqa: E402
+from rlhpc.train.batching import token_logprobs  # noqa: E402
 from rlhpc.config import ModelConfig  # noqa: E402
 
 MB = 1 << 20

@@ -1,4 +1,4 @@
-"""Queue throughput: publish + claim + load through rlhpc.queue, against a raw write + read of the same bytes.
+"""Queue throughput: publish + claim + load through rlhpc.transport.queue, against a raw write + read of the same bytes.
 
     python benchmarks/queue_throughput.py [--dir DIR] [--files 40] [--groups 8] [--group-size 8] [--tokens 512]
 
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlhpc.queue import Group, Queue, RolloutBatch  # noqa: E402
+from rlhpc.transport.queue import Group, Queue, RolloutBatch  # noqa: E402
 
 
 def make_batch(groups: int, group_size: int, tokens: int, seed: int) -> RolloutBatch:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlhpc.config import ModelConfig  # noqa: E402
 from rlhpc.rundir import RunDir  # noqa: E402
-from rlhpc.weights import BroadcastReceiver, BroadcastSender  # noqa: E402
+from rlhpc.transport.weights import BroadcastReceiver, BroadcastSender  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

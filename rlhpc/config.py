@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -37,18 +37,48 @@ class ModelConfig:
 
 
 @dataclass
+class SandboxLimitsConfig:
+    """Limits of one sandboxed program (rlhpc.env.sandbox.Limits)."""
+
+    cpu_s: int = 10
+    memory_mb: int = 512
+    processes: int = 64
+    file_size_mb: int = 16
+    wall_s: float = 10.0
+
+
+@dataclass
 class EnvConfig:
     name: str = "reverse_text"
     # A module path to an Environment class ("package.module:Class"); empty means envs/<name>.py.
     cls: str = ""
     # Keyword arguments of the environment's constructor.
     args: Dict[str, Any] = field(default_factory=dict)
+    # Tokens the policy may sample in one turn.
     max_new_tokens: int = 32
+    # Policy turns per episode; 0: the environment's own `max_turns` (1 for single-turn environments).
+    max_turns: int = 0
+    # Tokens of a whole episode (prompt, every turn, every environment reply); 0: no budget beyond the turns.
+    max_episode_tokens: int = 0
+    # How tool calls are parsed from the policy's text: "hermes" (Qwen3/Hermes <tool_call>{json}</tool_call>) or an
+    # import path "package.module:function" (text -> list of rlhpc.env.tools.ToolCall, raising ToolCallError).
+    tool_parser: str = "hermes"
+    # Processes that run rewards, tools and environment replies beside generation (0: inline, no timeouts; tests).
+    pool_processes: int = 2
+    # Wall-clock limit of one reward, tool or reply call; past it the call's process is killed and replaced.
+    call_timeout_s: float = 30.0
+    # Reward of a sample whose reward or reply raised, timed out or was not finite.
+    error_reward: float = 0.0
+    # More failed samples than this fraction of a batch stops the run, naming the environment and the first error.
+    max_error_fraction: float = 0.5
+    # Where model code runs: "bwrap" (bubblewrap sandbox) or "unsandboxed" (only if you trust the code; docs/sandbox.md).
+    sandbox: str = "bwrap"
+    sandbox_limits: SandboxLimitsConfig = field(default_factory=lambda: SandboxLimitsConfig())
 
 
 @dataclass
 class AlgoConfig:
-    # The policy loss: a registered name (rlhpc.loss.names(): grpo, dr_grpo, dapo, gspo, cispo, aipo) or an import
+    # The policy loss: a registered name (rlhpc.algo.loss.names(): grpo, dr_grpo, dapo, gspo, cispo, aipo) or an import
     # path "package.module:function". docs/algorithms.md gives each formula.
     name: str = "grpo"
     # Completions per task; the advantage baseline is computed within the group.
@@ -159,7 +189,7 @@ class DisaggregationConfig:
 
 @dataclass
 class InferenceConfig:
-    # "hf" (transformers, the embedded default) or "vllm" (rlhpc.engines.vllm; see docs/vllm.md).
+    # "hf" (transformers, the embedded default) or "vllm" (rlhpc.infer.engines.vllm; see docs/vllm.md).
     engine: str = "hf"
     num_workers: int = 2
     # Tasks per generation call; each call publishes one queue file holding that many groups.
@@ -329,13 +359,25 @@ _CHOICES = {
 }
 
 
+def need(ok: bool, key: str, msg: str) -> None:
+    """Raises ConfigError naming `key` unless `ok`: the one way every module checks a config value."""
+    if not ok:
+        raise ConfigError(f"config key `{key}`: {msg}")
+
+
+# Checks that the parts owning a config section register (the algorithms check algo.*); validate runs them all. The
+# parts register themselves on import, so config never imports them: `import rlhpc.algo` before validating.
+_CHECKS: Dict[str, Callable[[Config], None]] = {}
+
+
+def register_check(name: str, check: Callable[[Config], None]) -> None:
+    _CHECKS[name] = check
+
+
 def validate(cfg: Config) -> None:
     """Checks what the types cannot; raises ConfigError naming the key."""
-
-    def need(ok: bool, key: str, msg: str) -> None:
-        if not ok:
-            raise ConfigError(f"config key `{key}`: {msg}")
-
+    if not _CHECKS:
+        raise RuntimeError("no config checks are registered: import rlhpc.algo before rlhpc.config.validate")
     for key, choices in _CHOICES.items():
         value = cfg
         for part in key.split("."):
@@ -385,10 +427,14 @@ def validate(cfg: Config) -> None:
     need(cfg.eval.num_tasks >= 1, "eval.num_tasks", "must be >= 1")
     need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
     need(cfg.env.max_new_tokens >= 1, "env.max_new_tokens", "must be >= 1")
-    from rlhpc import advantage, loss  # the algorithms check their own keys
-
-    loss.check(cfg.algo)
-    advantage.check(cfg.algo)
+    need(cfg.env.max_turns >= 0, "env.max_turns", "must be >= 0 (0: the environment's own)")
+    need(cfg.env.max_episode_tokens >= 0, "env.max_episode_tokens", "must be >= 0 (0: no budget)")
+    need(cfg.env.pool_processes >= 0, "env.pool_processes", "must be >= 0 (0: run calls inline)")
+    need(cfg.env.call_timeout_s > 0, "env.call_timeout_s", "must be > 0")
+    need(0.0 <= cfg.env.max_error_fraction <= 1.0, "env.max_error_fraction", "must be in [0, 1]")
+    need(cfg.env.sandbox in ("bwrap", "unsandboxed"), "env.sandbox", f"{cfg.env.sandbox!r} is not one of bwrap, unsandboxed")
+    for check in _CHECKS.values():
+        check(cfg)
     need(
         cfg.cluster.grace_s < cfg.cluster.time_min * 60,
         "cluster.grace_s",

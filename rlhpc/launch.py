@@ -11,6 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
 from rlhpc import config as config_mod
 from rlhpc.config import Config, ConfigError
 from rlhpc.rundir import RunDir
@@ -45,11 +46,11 @@ def prepare_run_dir(cfg: Config) -> RunDir:
 def launch(cfg: Config) -> int:
     config_mod.validate(cfg)
     if cfg.launcher.name == "local":
-        from rlhpc.launchers.local import LocalLauncher as Launcher
+        from rlhpc.cluster.local_launcher import LocalLauncher as Launcher
     elif cfg.launcher.name == "slurm":
-        from rlhpc.launchers.slurm import SlurmLauncher as Launcher  # type: ignore[no-redef]
+        from rlhpc.cluster.slurm_launcher import SlurmLauncher as Launcher  # type: ignore[no-redef]
     else:
-        from rlhpc.launchers.sbatch import SbatchLauncher as Launcher  # type: ignore[no-redef]
+        from rlhpc.cluster.sbatch_launcher import SbatchLauncher as Launcher  # type: ignore[no-redef]
     launcher = Launcher(cfg)
     if cfg.dry_run:
         print(launcher.plan())

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from rlhpc.config import ModelConfig
+from rlhpc.dtypes import dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +81,6 @@ def build(cfg: ModelConfig, out_dir: Path) -> Path:
     n = sum(p.numel() for p in model.parameters())
     log.info("built %s (%s, %.2fM parameters) in %s", cfg.name, cfg.arch, n / 1e6, out_dir)
     return out_dir
-
-
-def dtype_of(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def load_model(path: str | Path, dtype: str = "float32") -> torch.nn.Module:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
+from rlhpc.procs import tail
+
 
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -124,6 +126,14 @@ class RunDir:
         """What status/FAILED says (the first role that failed), or None."""
         info = read_json(self.failed)
         return f"{info['role']} rank {info['rank']} failed: {info['error']}" if info else None
+
+    def failure_report(self) -> Optional[Dict[str, Any]]:
+        """Which role failed first (status/FAILED, written by the role itself), why, and the end of its log."""
+        info = read_json(self.failed)
+        if not info:
+            return None
+        log = self.log_file(info.get("role", "?"), info.get("rank", 0))
+        return {**info, "log": str(log), "log_tail": tail(log)}
 
     def make(self) -> "RunDir":
         for p in (self.queue, self.weights, self.checkpoints, self.rendezvous, self.tb, self.logs, self.status):

@@ -17,16 +17,6 @@ from typing import Any, Dict, List, Optional
 
 from rlhpc.rundir import RunDir, read_json
 
-TAIL_LINES = 20
-
-
-def tail(path: Path, lines: int = TAIL_LINES) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return f"({path} does not exist)"
-
-
 def _metrics_tail(path: Path, max_bytes: int = 256 << 10) -> List[Dict[str, Any]]:
     """The last rows of a metrics.jsonl (only its end is read: the file grows with the run)."""
     try:
@@ -51,15 +41,6 @@ def _last(rows: List[Dict[str, Any]], key: str) -> Optional[Dict[str, Any]]:
         if key in row:
             return row
     return None
-
-
-def failure(run: RunDir) -> Optional[Dict[str, Any]]:
-    """Which role failed first (status/FAILED, written by the role itself), why, and the end of its log."""
-    info = read_json(run.failed)
-    if not info:
-        return None
-    log = run.log_file(info.get("role", "?"), info.get("rank", 0))
-    return {**info, "log": str(log), "log_tail": tail(log)}
 
 
 def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
@@ -122,7 +103,7 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
                **{k: v for k, v in info.items() if k in ("host", "step", "version", "phase")}}
         for name, info in run.heartbeats().items() if "time" in info
     }
-    fail = failure(run)
+    fail = run.failure_report()
     if fail:
         out["failure"] = fail
     summary = read_json(run.summary)

@@ -5,7 +5,7 @@ import statistics
 import pytest
 import torch
 
-from rlhpc.advantage import group_advantages, keep_group, shaped_rewards
+from rlhpc.algo.advantage import group_advantages, keep_group, shaped_rewards
 from rlhpc.config import AlgoConfig, ConfigError
 
 REWARDS = [1.0, 0.0, 0.5, 1.0]

@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlhpc import models
-from rlhpc.batching import pad, token_logprobs
+from rlhpc.train.batching import pad, token_logprobs
 from rlhpc.config import ModelConfig
 
 CTX = mp.get_context("spawn")
@@ -87,7 +87,7 @@ def test_chunked_logprobs_never_hold_more_than_a_chunk_of_logits(model_dir):
 
 
 def test_the_model_still_generates_after_chunked_logprobs(model_dir):
-    from rlhpc.engines.hf import HFEngine
+    from rlhpc.infer.engines.hf import HFEngine
 
     model = models.load_model(model_dir)
     ids, attn = batch()
@@ -106,7 +106,7 @@ def _fsdp_worker(model_dir, rank, world, port, out):
         import torch.distributed as dist
 
         from rlhpc.config import TrainerConfig
-        from rlhpc.parallel import apply_fsdp
+        from rlhpc.train.parallel import apply_fsdp
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

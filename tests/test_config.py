@@ -6,6 +6,7 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
+import rlhpc.algo  # noqa: F401  (registers the algorithms' config checks)
 from rlhpc import config as config_mod
 from rlhpc.config import ConfigError, to_typed, validate
 from rlhpc.launch import CONF_DIR

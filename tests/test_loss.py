@@ -1,6 +1,6 @@
 """Policy losses, off-policy corrections, KL terms and normalization, each checked against an independent reference.
 
-The references below are written differently from rlhpc.loss on purpose: explicit loops over sequences and tokens, one
+The references below are written differently from rlhpc.algo.loss on purpose: explicit loops over sequences and tokens, one
 scalar at a time, with Python's math where no gradient is needed. A second, outside reference is TRL's GRPOTrainer loss
 (`_compute_loss`), fed the same padded tensors.
 """
@@ -16,10 +16,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from rlhpc import config as config_mod
-from rlhpc import loss
+from rlhpc.algo import loss
 from rlhpc.config import AlgoConfig, ConfigError, to_typed
 from rlhpc.launch import CONF_DIR
-from rlhpc.loss import LossInputs
+from rlhpc.algo.loss import LossInputs
 
 F64 = torch.float64  # the comparisons below are exact to 1e-10
 
@@ -319,7 +319,7 @@ def test_every_algo_config_composes_and_names_a_loss_that_runs(tmp_path):
 def user_losses(tmp_path, monkeypatch):
     """A module of the user's, importable as `user_losses`."""
     (tmp_path / "user_losses.py").write_text(textwrap.dedent("""
-        from rlhpc.loss import LossOutputs
+        from rlhpc.algo.loss import LossOutputs
 
         def reinforce(x, cfg):
             return LossOutputs(-x.advantages * x.logprobs, {"mine": x.logprobs.detach().mean()})

@@ -31,7 +31,7 @@ def _step_and_export(root: Path, rank: int, world: int, port: int):
     """One training step (optimizer included), then the trained model's logits and the final export."""
     import torch.distributed as dist
 
-    from rlhpc.engines.hf import HFEngine
+    from rlhpc.infer.engines.hf import HFEngine
     from rlhpc.names import checkpoint_layout
 
     torch.manual_seed(0)
@@ -70,7 +70,7 @@ def _worker(roots, rank, world, ports, out):
 def on_two_ranks(roots):
     # Forked from a server that imported the trainer once: each rank starts in well under a second.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["rlhpc.trainer", "test_trainer_math"])
+    ctx.set_forkserver_preload(["rlhpc.train.trainer", "test_trainer_math"])
     out = ctx.Queue()
     ports = [free_port() for _ in roots]
     procs = [ctx.Process(target=_worker, args=(roots, r, 2, ports, out), daemon=True) for r in range(2)]

@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 from rlhpc import config as config_mod
 from rlhpc import models
 from rlhpc.config import ModelConfig
-from rlhpc.engines.hf import HFEngine
-from rlhpc.role import Identity
+from rlhpc.infer.engines.hf import HFEngine
+from rlhpc.identity import Identity
 from rlhpc.rundir import RunDir
 
 SIZES = dict(hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -43,7 +43,7 @@ def model_dir(request, tmp_path_factory):
 
 def trainer_of(model, root):
     """A one-rank Trainer (no process group) around `model`."""
-    from rlhpc.trainer import Trainer
+    from rlhpc.train.trainer import Trainer
 
     cfg = config_mod.to_typed({"run_dir": str(root)})
     tr = Trainer(cfg, Identity("trainer", 0, 1, root, "t"), RunDir(root).make())

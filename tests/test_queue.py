@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from rlhpc.queue import Group, Queue, RolloutBatch
+from rlhpc.transport.queue import Group, Queue, RolloutBatch
 
 
 def make_batch(num_groups=2, group_size=3, version=0, prompt_len=4, completion_len=5, tag="g"):

@@ -12,8 +12,8 @@ import torch
 from rlhpc import config as config_mod
 from rlhpc import models
 from rlhpc.config import Config, ModelConfig
-from rlhpc.queue import Group, RolloutBatch
-from rlhpc.role import Identity
+from rlhpc.transport.queue import Group, RolloutBatch
+from rlhpc.identity import Identity
 from rlhpc.rundir import RunDir
 
 CTX = mp.get_context("spawn")
@@ -47,8 +47,8 @@ def make_batch(vocab: int, seed: int = 0, groups: int = 4, group_size: int = 4) 
 
 
 def _trainer(root: Path, rank: int, world: int, port: int, overrides: dict):
-    from rlhpc.sft import make_optimizer
-    from rlhpc.trainer import Trainer
+    from rlhpc.train.optim import make_optimizer
+    from rlhpc.train.trainer import Trainer
 
     keys = {k: v for k, v in overrides.items() if k not in ("stop_at", "save", "resume")}  # test-only knobs
     cfg = config_mod.to_typed({"run_dir": str(root), **keys, "trainer": {"num_ranks": world, **keys.get("trainer", {})}})
@@ -128,7 +128,7 @@ def test_loss_and_gradients_do_not_depend_on_ranks_or_micro_batches(run_root, no
 def _train_worker(root, rank, world, port, overrides, out):
     """Trains `steps` steps on fixed batches, checkpointing/resuming as told; rank 0 reports the full parameters."""
     try:
-        from rlhpc import checkpoint
+        from rlhpc.train import checkpoint
 
         torch.manual_seed(0)
         tr = _trainer(Path(root), rank, world, port, overrides)

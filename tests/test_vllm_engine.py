@@ -17,9 +17,9 @@ import torch
 
 from rlhpc import models
 from rlhpc.config import InferenceConfig, ModelConfig
-from rlhpc.engines import make_engine
-from rlhpc.engines.hf import HFEngine
-from rlhpc.weights import Update
+from rlhpc.infer.engines import make_engine
+from rlhpc.infer.engines.hf import HFEngine
+from rlhpc.transport.weights import Update
 
 pytest.importorskip("vllm", reason="vLLM is not installed (bash .ci/install-vllm.sh)")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(180)]

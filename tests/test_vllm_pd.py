@@ -14,9 +14,10 @@ from typing import List
 import pytest
 import torch
 
+import rlhpc.algo  # noqa: F401  (registers the algorithms' config checks)
 from rlhpc import models
 from rlhpc.config import Config, ConfigError, DisaggregationConfig, InferenceConfig, ModelConfig, to_typed, validate
-from rlhpc.weights import Update
+from rlhpc.transport.weights import Update
 
 try:
     import vllm  # noqa: F401
@@ -65,7 +66,7 @@ def engines(run_dir, model_dir):
     """(disaggregated engine, plain VLLMEngine) with the built model's weights."""
     from test_vllm_engine import restored_environ
 
-    from rlhpc.engines import make_engine
+    from rlhpc.infer.engines import make_engine
 
     with restored_environ():
         pd = make_engine("vllm", str(model_dir), "float32", cfg=cfg(disaggregation=PD), run_dir=str(run_dir))
@@ -90,7 +91,7 @@ def spliced_logprobs(first: torch.nn.Module, second: torch.nn.Module, seq: List[
 
 @needs_vllm
 def test_make_engine_builds_a_prefill_and_a_decode_instance_with_their_kv_roles(engines):
-    from rlhpc.engines.disagg import DisaggregatedVLLMEngine
+    from rlhpc.infer.engines.disagg import DisaggregatedVLLMEngine
 
     pd, _ = engines
     assert isinstance(pd, DisaggregatedVLLMEngine)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from rlhpc import models
-from rlhpc.batching import pad, token_logprobs
+from rlhpc.train.batching import pad, token_logprobs
 from rlhpc.config import ModelConfig
 from rlhpc.rundir import RunDir
-from rlhpc.weights import (BroadcastReceiver, BroadcastSender, FilesystemReceiver, FilesystemSender, latest_snapshot)
+from rlhpc.transport.weights import (BroadcastReceiver, BroadcastSender, FilesystemReceiver, FilesystemSender, latest_snapshot)
 
 CTX = mp.get_context("spawn")
 SEQS = [[1, 5, 9, 44, 70, 2, 3], [1, 100, 101, 102, 2, 120, 121, 122, 2], [7, 8]]
@@ -24,7 +24,7 @@ def tiny_model_dir(tmp_path_factory):
 def _receiver(run_root, rank, model_dir, token, out):
     """An inference-side process: joins the group, applies one update to an HF engine, reports what it computes."""
     try:
-        from rlhpc.engines.hf import HFEngine
+        from rlhpc.infer.engines.hf import HFEngine
 
         engine = HFEngine.from_pretrained(str(model_dir))
         recv = BroadcastReceiver(RunDir(run_root), rank, timeout_s=60, attempt="t", token=token)

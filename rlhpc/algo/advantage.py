@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from rlhpc.config import AlgoConfig, ConfigError
+from rlhpc.config import AlgoConfig
+from rlhpc.config import need as config_need
 
 BASELINES = ("mean", "loo")
 
@@ -59,8 +60,7 @@ def check(cfg: AlgoConfig) -> None:
     naming the key."""
 
     def need(ok: bool, key: str, msg: str) -> None:
-        if not ok:
-            raise ConfigError(f"config key `algo.{key}`: {msg}")
+        config_need(ok, f"algo.{key}", msg)
 
     need(cfg.baseline in BASELINES, "baseline", f"{cfg.baseline!r} is not one of {', '.join(BASELINES)}")
     buffer = cfg.overlong_buffer

@@ -22,7 +22,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from rlhpc.config import AlgoConfig, ConfigError
+from rlhpc.config import AlgoConfig
+from rlhpc.config import need as config_need
 
 
 @dataclass
@@ -274,8 +275,7 @@ def check(cfg: AlgoConfig) -> None:
     too); raises ConfigError naming the key."""
 
     def need(ok: bool, key: str, msg: str) -> None:
-        if not ok:
-            raise ConfigError(f"config key `algo.{key}`: {msg}")
+        config_need(ok, f"algo.{key}", msg)
 
     need(cfg.normalize in NORMALIZE, "normalize", f"{cfg.normalize!r} is not one of {', '.join(NORMALIZE)}")
     need(cfg.is_level in IS_LEVELS, "is_level", f"{cfg.is_level!r} is not one of {', '.join(IS_LEVELS)}")

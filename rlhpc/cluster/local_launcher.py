@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,8 @@ from dataclasses import dataclass
 from typing import IO, List, Optional
 
 from rlhpc.config import Config
-from rlhpc.engines.disagg import describe as disagg_describe
+from rlhpc.infer.engines.disagg import describe as disagg_describe
+from rlhpc.procs import free_port, tail
 from rlhpc.rundir import RunDir, read_json
 
 
@@ -30,19 +30,6 @@ class Proc:
     @property
     def name(self) -> str:
         return f"{self.role}-{self.rank}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tail(path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no log)"
 
 
 class LocalLauncher:
@@ -116,7 +103,7 @@ class LocalLauncher:
                 if failed:
                     p = self.cause(run, failed[0])
                     print(f"\n{p.name} exited with code {p.popen.poll()}; ending the others. Last lines of "
-                          f"{run.log_file(p.role, p.rank)}:\n{tail(run.log_file(p.role, p.rank))}", file=sys.stderr)
+                          f"{run.log_file(p.role, p.rank)}:\n{tail(run.log_file(p.role, p.rank), 40)}", file=sys.stderr)
                     return 1
                 if all(p.popen.poll() == 0 for p in trainers):
                     # Workers see status/DONE and exit on their own; give them a moment, then end them.
@@ -126,7 +113,7 @@ class LocalLauncher:
                     bad = [p for p in self.procs if p.popen.poll() not in (None, 0)]
                     if bad:
                         p = bad[0]
-                        print(f"\n{p.name} exited with code {p.popen.returncode}:\n{tail(run.log_file(p.role, p.rank))}",
+                        print(f"\n{p.name} exited with code {p.popen.returncode}:\n{tail(run.log_file(p.role, p.rank), 40)}",
                               file=sys.stderr)
                         return 1
                     return 0

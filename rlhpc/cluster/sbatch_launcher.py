@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from rlhpc.launchers.slurm import SlurmLauncher, SubmissionError
+from rlhpc.cluster.slurm_launcher import SlurmLauncher, SubmissionError
 from rlhpc.rundir import RunDir
 
 

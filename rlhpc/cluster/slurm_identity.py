@@ -16,10 +16,9 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Tuple
+from typing import Mapping, Tuple
 
-if TYPE_CHECKING:
-    from rlhpc.role import Identity
+from rlhpc.identity import Identity
 
 # Component k of the heterogeneous job runs ROLES[k].
 ROLES = ("trainer", "inference")
@@ -98,9 +97,7 @@ def node_address(node: str) -> str:
     return m.group(1)
 
 
-def identity_from_slurm(env: Mapping[str, str]) -> "Identity":
-    from rlhpc.role import Identity
-
+def identity_from_slurm(env: Mapping[str, str]) -> Identity:
     role, rank, size = role_and_rank(env)
     run_dir = env.get("RLHPC_RUN_DIR")
     if not run_dir:

@@ -27,7 +27,8 @@ from hydra.experimental.callback import Callback
 from rlhpc.cluster import slurm_jobs
 from rlhpc.cluster.hetjob import JobPlan, describe, make_plan, render_script
 from rlhpc.config import Config
-from rlhpc.engines.disagg import describe as disagg_describe
+from rlhpc.infer.engines.disagg import describe as disagg_describe
+from rlhpc.procs import tail
 from rlhpc.rundir import RunDir, read_json
 
 POLL_S = 2.0
@@ -161,9 +162,7 @@ class SlurmLauncher:
             print_summary(run, wall_time_s=wall_s)
             return 0
         print(f"job {job_id} {st.state}: {states}", file=sys.stderr)
-        from rlhpc.status import failure, tail
-
-        fail = failure(run)
+        fail = run.failure_report()
         if fail:
             print(f"{fail['role']} rank {fail['rank']} failed: {fail['error']}\nlast lines of {fail['log']}:\n"
                   f"{fail['log_tail']}", file=sys.stderr)

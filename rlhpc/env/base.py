@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List
 
 from rlhpc.config import EnvConfig
 
-ENVS_DIR = Path(os.environ.get("RLHPC_ENVS_DIR", Path(__file__).resolve().parents[1] / "envs"))
+ENVS_DIR = Path(os.environ.get("RLHPC_ENVS_DIR", Path(__file__).resolve().parents[2] / "envs"))
 
 
 @dataclass

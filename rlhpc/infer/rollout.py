@@ -10,11 +10,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from rlhpc.advantage import group_advantages, keep_group
+from rlhpc.algo.advantage import group_advantages, keep_group
 from rlhpc.config import AlgoConfig
-from rlhpc.engines import Engine
+from rlhpc.infer.engines import Engine
 from rlhpc.env import Environment, Task
-from rlhpc.queue import Group, RolloutBatch
+from rlhpc.transport.queue import Group, RolloutBatch
 
 
 def prompt_ids(tokenizer, env: Environment, task: Task) -> List[int]:

@@ -17,13 +17,14 @@ import torch
 from rlhpc import env as env_mod
 from rlhpc import models
 from rlhpc.config import Config
-from rlhpc.engines import make_engine
+from rlhpc.infer.engines import make_engine
 from rlhpc.metrics import Metrics
-from rlhpc.queue import Queue
-from rlhpc.role import Identity, Stop, stop_requested
-from rlhpc.rollout import generate_groups
+from rlhpc.transport.queue import Queue
+from rlhpc.identity import Identity
+from rlhpc.stop import Stop, stop_requested
+from rlhpc.infer.rollout import generate_groups
 from rlhpc.rundir import RunDir, wait_for
-from rlhpc.weights import BroadcastReceiver, FilesystemReceiver, WeightsReceiver
+from rlhpc.transport.weights import BroadcastReceiver, FilesystemReceiver, WeightsReceiver
 
 log = logging.getLogger(__name__)
 

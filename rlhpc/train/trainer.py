@@ -16,22 +16,24 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from rlhpc import checkpoint
+from rlhpc.train import checkpoint
 from rlhpc import env as env_mod
-from rlhpc import loss as loss_mod
+from rlhpc.algo import loss as loss_mod
 from rlhpc import models
-from rlhpc.batching import balance_ranks, pad, plan_micro_batches, token_logprobs
+from rlhpc.train.batching import balance_ranks, pad, plan_micro_batches, token_logprobs
 from rlhpc.config import Config
-from rlhpc.engines.hf import HFEngine
-from rlhpc.loss import LossInputs
+from rlhpc.infer.engines.hf import HFEngine
+from rlhpc.algo.loss import LossInputs
 from rlhpc.names import checkpoint_layout
 from rlhpc.metrics import Metrics
-from rlhpc.queue import Claim, Queue, RolloutBatch
-from rlhpc.role import Identity, Stop, stop_requested
-from rlhpc.rollout import evaluate
+from rlhpc.transport.queue import Claim, Queue, RolloutBatch
+from rlhpc.identity import Identity
+from rlhpc.stop import Stop, stop_requested
+from rlhpc.infer.rollout import evaluate
 from rlhpc.rundir import RunDir, read_json, wait_for, write_json
-from rlhpc.sft import make_optimizer, sft_train
-from rlhpc.weights import BroadcastSender, FilesystemSender, WeightsSender, write_snapshot
+from rlhpc.train.optim import make_optimizer
+from rlhpc.train.warmstart import sft_train
+from rlhpc.transport.weights import BroadcastSender, FilesystemSender, WeightsSender, write_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +225,7 @@ class Trainer:
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.world > 1 or self.cfg.trainer.fsdp:
-            from rlhpc.parallel import apply_fsdp
+            from rlhpc.train.parallel import apply_fsdp
 
             apply_fsdp(model, self.cfg.trainer, self.device)
         elif self.cfg.trainer.activation_checkpointing:

@@ -1,34 +1,26 @@
-"""Supervised fine-tuning: the warm start before RL, also runnable on its own.
-
-    python -m rlhpc.sft +exp=reverse_text run_dir=runs/sft-only     # trains, evaluates, exports to run_dir/model
-"""
+"""Supervised fine-tuning on reference answers: the warm start before RL (standalone: `python -m rlhpc.sft`)."""
 
 from __future__ import annotations
 
 import logging
-import random
-import time
 from itertools import islice
 from typing import Callable, List, Optional
 
 import torch
 
-from rlhpc.batching import pad, token_logprobs
+from rlhpc.train.batching import pad, token_logprobs
 from rlhpc.config import Config
 from rlhpc.env import Environment
-from rlhpc.rollout import prompt_ids
+from rlhpc.infer.rollout import prompt_ids
+from rlhpc.train.optim import make_optimizer
 
 log = logging.getLogger(__name__)
 
 
-def make_optimizer(params, optim) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=optim.lr, betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay)
-
-
 def validation_reward(model: torch.nn.Module, tokenizer, env: Environment, cfg: Config) -> float:
     """Greedy reward on fixed train-distribution tasks (a validation set; the held-out eval set is never used here)."""
-    from rlhpc.engines.hf import HFEngine
-    from rlhpc.rollout import evaluate
+    from rlhpc.infer.engines.hf import HFEngine
+    from rlhpc.infer.rollout import evaluate
 
     tasks = list(islice(env.tasks("train", seed=cfg.seed + 104729), cfg.sft.validation_tasks))
     return evaluate(HFEngine(model, tokenizer.pad_token_id), env, tokenizer, tasks, cfg.env.max_new_tokens)
@@ -78,48 +70,3 @@ def sft_train(
                 log.info("SFT stops after %d steps: validation reward %.3f >= sft.stop_at_reward", step + 1, reward)
                 break
     return losses
-
-
-def main() -> None:
-    """Standalone SFT: build or load the model, train, evaluate greedy held-out reward, export in HF format."""
-    import hydra
-
-    from rlhpc import config as config_mod
-    from rlhpc import env as env_mod
-    from rlhpc import models
-    from rlhpc.engines.hf import HFEngine
-    from rlhpc.launch import CONF_DIR, prepare_run_dir
-    from rlhpc.rollout import evaluate
-    from rlhpc.rundir import RunDir, write_json
-
-    config_mod.register()
-
-    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
-    def _run(dcfg) -> None:
-        cfg = config_mod.to_typed(dcfg)
-        config_mod.validate(cfg)
-        run = prepare_run_dir(cfg)
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s sft %(levelname)s: %(message)s", force=True)
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)
-        base = cfg.model.path or str(models.build(cfg.model, run.root / "base_model"))
-        model, tok = models.load_model(base, cfg.model.dtype), models.load_tokenizer(base)
-        env = env_mod.load(cfg.env)
-        eval_tasks = list(islice(env.tasks("eval", 0), cfg.eval.num_tasks))
-        engine = HFEngine(model, tok.pad_token_id)
-        before = evaluate(engine, env, tok, eval_tasks, cfg.env.max_new_tokens)
-        t0 = time.time()
-        losses = sft_train(model, tok, env, cfg, on_step=lambda s, l: s % 50 == 0 and log.info("sft step %d loss %.4f", s, l))
-        after = evaluate(engine, env, tok, eval_tasks, cfg.env.max_new_tokens)
-        model.save_pretrained(run.model)
-        tok.save_pretrained(run.model)
-        out = {"heldout_reward_before": before, "heldout_reward_sft": after, "sft_steps": len(losses),
-               "wall_time_s": time.time() - t0, "model": str(run.model)}
-        write_json(RunDir(run.root).summary, out)
-        print(f"SFT: held-out reward {before:.3f} -> {after:.3f} in {out['wall_time_s']:.0f}s; model in {run.model}")
-
-    _run()
-
-
-if __name__ == "__main__":
-    main()

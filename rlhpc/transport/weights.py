@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from rlhpc.dtypes import dtype_of
 from rlhpc.rundir import RunDir, fsync_dir, read_json, wait_for, write_json
 
 log = logging.getLogger(__name__)
 
 NamedTensors = Iterable[Tuple[str, torch.Tensor]]
-_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int64, torch.int32)}
 
 
 @dataclass
@@ -156,7 +156,7 @@ def _bucketize(layout: List[Tuple[str, List[int], str]], bucket_bytes: int) -> L
     buckets: List[List[int]] = []
     size, dtype = 0, None
     for i, (_, shape, dt) in enumerate(layout):
-        nbytes = _numel(shape) * torch.empty((), dtype=_DTYPES[dt]).element_size()
+        nbytes = _numel(shape) * torch.empty((), dtype=dtype_of(dt)).element_size()
         if not buckets or dt != dtype or size + nbytes > bucket_bytes:
             buckets.append([])
             size, dtype = 0, dt
@@ -318,7 +318,7 @@ class BroadcastReceiver(WeightsReceiver):
                     buckets = _bucketize(layout, info["bucket_bytes"])
                 tensors: List[Tuple[str, torch.Tensor]] = []
                 for bucket in buckets:
-                    dtype = _DTYPES[layout[bucket[0]][2]]
+                    dtype = dtype_of(layout[bucket[0]][2])
                     flat = torch.empty(sum(_numel(layout[i][1]) for i in bucket), dtype=dtype, device=self.device)
                     self._broadcast(flat)
                     for (name, shape, _), part in zip(

@@ -3,8 +3,8 @@
 An engine generates `n` completions per prompt from the distribution `softmax(logits / temperature)` and reports the
 logprob of each sampled token under exactly that distribution, so the trainer can form importance ratios against it.
 It also takes weight updates under Hugging Face checkpoint names. `hf` (transformers) is the embedded default; `vllm`
-is the production engine (rlhpc.engines.vllm), and with `inference.disaggregation.enabled` a pair of vLLM instances,
-one for prefill and one for decode (rlhpc.engines.disagg).
+is the production engine (rlhpc.infer.engines.vllm), and with `inference.disaggregation.enabled` a pair of vLLM instances,
+one for prefill and one for decode (rlhpc.infer.engines.disagg).
 """
 
 from __future__ import annotations
@@ -51,16 +51,16 @@ class Engine(ABC):
 
 def make_engine(kind: str, model_path: str, dtype: str = "float32", **kwargs) -> Engine:
     if kind == "hf":
-        from rlhpc.engines.hf import HFEngine
+        from rlhpc.infer.engines.hf import HFEngine
 
         return HFEngine.from_pretrained(model_path, dtype=dtype, seed=kwargs.get("seed", 0))
     if kind == "vllm":
         cfg = kwargs.get("cfg")
         if cfg is not None and cfg.disaggregation.enabled:
-            from rlhpc.engines.disagg import DisaggregatedVLLMEngine
+            from rlhpc.infer.engines.disagg import DisaggregatedVLLMEngine
 
             return DisaggregatedVLLMEngine(model_path, dtype=dtype, **kwargs)
-        from rlhpc.engines.vllm import VLLMEngine  # type: ignore[import-not-found]
+        from rlhpc.infer.engines.vllm import VLLMEngine  # type: ignore[import-not-found]
 
         return VLLMEngine(model_path, dtype=dtype, **kwargs)
     raise ValueError(f"config key `inference.engine`: unknown engine {kind!r} (hf or vllm)")

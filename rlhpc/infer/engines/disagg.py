@@ -11,7 +11,7 @@ arguments. A generation is routed the way vLLM's disaggregated-serving proxy rou
    kv_transfer_params; its connector loads the transferred KV cache instead of recomputing the prompt (the last,
    partial block of the prompt is computed locally), and the decode instance samples the whole completion.
 The token sampled by the prefill instance is dropped: sampling, logprobs and stop tokens are the decode instance's, so
-the sampling contract is exactly VLLMEngine's (rlhpc.engines.vllm).
+the sampling contract is exactly VLLMEngine's (rlhpc.infer.engines.vllm).
 
 Connectors: `NixlConnector` on GPU (GPU memory to GPU memory). On vLLM's CPU backend `ExampleConnector` is the one
 that works (it writes each layer's KV of the prompt's full blocks to safetensors files under
@@ -43,8 +43,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from rlhpc.config import DisaggregationConfig, InferenceConfig
-from rlhpc.engines import Completion, Engine
-from rlhpc.engines.vllm import VLLMEngine, _gpu_pin_devices, vllm_files
+from rlhpc.infer.engines import Completion, Engine
+from rlhpc.infer.engines.vllm import VLLMEngine, _gpu_pin_devices, vllm_files
+from rlhpc.procs import free_port
 
 log = logging.getLogger(__name__)
 
@@ -235,17 +236,11 @@ def _instance_environment(connector: str):
     affinity = os.sched_getaffinity(0)
     if connector in _PULL_CONNECTORS:
         envs.disable_envs_cache()
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(""))
     try:
         yield
     finally:
         os.sched_setaffinity(0, affinity)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _gpu_devices() -> List[str]:

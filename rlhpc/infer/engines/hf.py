@@ -6,7 +6,7 @@ from typing import Iterable, List, Sequence, Tuple
 
 import torch
 
-from rlhpc.engines import Completion, Engine
+from rlhpc.infer.engines import Completion, Engine
 from rlhpc.models import load_model
 
 

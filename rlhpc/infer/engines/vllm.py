@@ -21,7 +21,7 @@ Weight updates (`update_weights`, HF checkpoint names):
   written as a safetensors file under the run directory and every worker reloads it from there (`_reload_from_file`).
 After an update between generations the prefix cache is cleared, so no new request reuses KV computed by old weights.
 
-In-flight updates: set `engine.weight_updates` to a callable returning the newest `rlhpc.weights.Update` or None (the
+In-flight updates: set `engine.weight_updates` to a callable returning the newest `rlhpc.transport.weights.Update` or None (the
 worker's `receiver.poll`). `generate` then polls it between decode steps and applies what arrives; running requests keep
 their KV cache (computed by the older weights) and continue with the new weights. vLLM labels every output token with
 the weights version in force when it was sampled; each completion reports its oldest (`min_version`, conservatively the
@@ -43,12 +43,12 @@ from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
-from unittest import mock
 
 import torch
 
 from rlhpc.config import InferenceConfig
-from rlhpc.engines import Completion, Engine
+from rlhpc.infer.engines import Completion, Engine
+from rlhpc.infer.engines import vllm_patches as patches
 
 log = logging.getLogger(__name__)
 
@@ -89,17 +89,6 @@ def vllm_files(run_dir: Optional[str]) -> Path:
     return root
 
 
-@contextlib.contextmanager
-def _tempdir(path: Path) -> Iterator[None]:
-    """vLLM names its single-process rendezvous file after tempfile.gettempdir(): keep it in the run directory."""
-    saved = tempfile.tempdir
-    tempfile.tempdir = str(path)
-    try:
-        yield
-    finally:
-        tempfile.tempdir = saved
-
-
 class _QuietRotaryReload(logging.Filter):
     """vLLM's layerwise reload warns "RotaryEmbedding: Failed to load weights" on every update: rotary embeddings have
     no checkpoint weights, and their cache is put back as it was. Other layers' warnings still pass."""
@@ -137,6 +126,7 @@ class VLLMEngine(Engine):
         self.cfg = cfg
         self.model_path = model_path
 
+        patches.check()
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -168,12 +158,11 @@ class VLLMEngine(Engine):
 
             args["kv_transfer_config"] = KVTransferConfig(**cfg.kv_transfer_config)
         args.update(cfg.engine_args)
-        set_threads = torch.set_num_threads  # the CPU worker replaces it with a no-op for the whole process
         t0 = time.time()
         self._kv_connector: Any = None  # this engine's worker-side KV connector (see _active)
-        with _tempdir(self.files / "tmp"), self._eager(), _own_kv_connector(self):
+        with patches.keep_set_num_threads(), patches.tempdir(self.files / "tmp"), self._eager(), \
+                patches.own_kv_connector(lambda c: setattr(self, "_kv_connector", c)):
             self.llm = LLM(**args)
-        torch.set_num_threads = set_threads
         self._holds_dist = cfg.tensor_parallel_size == 1
         VLLMEngine._in_process += self._holds_dist
         self.engine = self.llm.llm_engine
@@ -182,7 +171,7 @@ class VLLMEngine(Engine):
                       for group in self.llm.collective_rpc(_tied_parameters)[0] for name in group}
         self._ids = count()
         self.version = 0  # the weights it loaded: the trainer's initial weights are version 0
-        # In-flight updates: a callable returning the newest rlhpc.weights.Update or None (e.g. receiver.poll).
+        # In-flight updates: a callable returning the newest rlhpc.transport.weights.Update or None (e.g. receiver.poll).
         self.weight_updates: Optional[Callable[[], Any]] = None
         self.updates_applied = 0
         self.update_s = 0.0
@@ -376,7 +365,7 @@ class VLLMEngine(Engine):
         stack = contextlib.ExitStack()
         stack.enter_context(self._eager())
         if self._kv_connector is not None:
-            stack.enter_context(_installed_kv_connector(self._kv_connector))
+            stack.enter_context(patches.installed_kv_connector(self._kv_connector))
         return stack
 
     def _load(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
@@ -399,13 +388,11 @@ class VLLMEngine(Engine):
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return
-        import vllm.v1.engine.core as core
-
         VLLMEngine._in_process -= self._holds_dist
         # An in-process EngineCore tears down vLLM's process-global distributed state when it shuts down; while another
         # engine of this process still uses that state, keep it.
         keep = VLLMEngine._in_process > 0
-        with mock.patch.object(core, "cleanup_dist_env_and_memory", lambda *a, **k: None) if keep else contextlib.nullcontext():
+        with patches.no_dist_cleanup() if keep else contextlib.nullcontext():
             with contextlib.suppress(Exception), self._active():
                 llm.llm_engine.engine_core.shutdown()
         if self._kv_connector is not None:
@@ -418,33 +405,6 @@ class VLLMEngine(Engine):
                 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
                 cleanup_dist_env_and_memory()
-
-
-@contextlib.contextmanager
-def _own_kv_connector(engine: VLLMEngine) -> Iterator[None]:
-    """vLLM keeps the worker-side KV connector in one process-global (kv_transfer_state._KV_CONNECTOR_AGENT) and
-    reuses whatever is there: a second in-process engine (the decode instance next to a prefill instance) would run on
-    the first one's connector. Each engine builds its own from an empty slot and takes it along; `_active` puts it
-    back around every call. (Engines whose workers are other processes, tensor_parallel_size > 1, leave it empty.)"""
-    from vllm.distributed.kv_transfer import kv_transfer_state as state
-
-    saved, state._KV_CONNECTOR_AGENT = state._KV_CONNECTOR_AGENT, None
-    try:
-        yield
-        engine._kv_connector = state._KV_CONNECTOR_AGENT
-    finally:
-        state._KV_CONNECTOR_AGENT = saved
-
-
-@contextlib.contextmanager
-def _installed_kv_connector(connector: Any) -> Iterator[None]:
-    from vllm.distributed.kv_transfer import kv_transfer_state as state
-
-    saved, state._KV_CONNECTOR_AGENT = state._KV_CONNECTOR_AGENT, connector
-    try:
-        yield
-    finally:
-        state._KV_CONNECTOR_AGENT = saved
 
 
 def _tied_parameters(worker: Any) -> List[List[str]]:

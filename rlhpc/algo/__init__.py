@@ -1,0 +1,10 @@
+"""The algorithms: policy losses with off-policy corrections (loss) and group advantages (advantage).
+
+Importing this package registers their config checks with rlhpc.config.validate.
+"""
+
+from rlhpc import config as _config
+from rlhpc.algo import advantage, loss
+
+_config.register_check("algo.loss", lambda cfg: loss.check(cfg.algo))
+_config.register_check("algo.advantage", lambda cfg: advantage.check(cfg.algo))

@@ -1,0 +1,23 @@
+"""Small helpers for processes, ports and logs, shared by the launchers, the roles, the engines and the tests."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+TAIL_LINES = 20
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` now (another process may still take it before we bind it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, lines: int = TAIL_LINES) -> str:
+    """The last `lines` lines of a log file, or a note that it does not exist."""
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return f"({path} does not exist)"
