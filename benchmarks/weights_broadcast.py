@@ -21,7 +21,6 @@ from datetime import timedelta
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlhpc.config import ModelConfig  # noqa: E402
 from rlhpc.rundir import RunDir  # noqa: E402
 from rlhpc.transport.weights import BroadcastReceiver, BroadcastSender  # noqa: E402
 

@@ -32,6 +32,10 @@ class ModelConfig:
     extra: Dict[str, Any] = field(default_factory=dict)
     # Vocabulary of the byte-level BPE built in code: 256 bytes + special tokens + this many merges.
     tokenizer_merges: int = 16
+    # Extra text the built tokenizer learns its merges from (besides the chat roles), e.g. a tool call's JSON.
+    tokenizer_corpus: List[str] = field(default_factory=list)
+    # Extra tokens of the built tokenizer, each one id (e.g. "<tool_call>", "</tool_call>" for tool-using tasks).
+    tokenizer_added_tokens: List[str] = field(default_factory=list)
     dtype: str = "float32"
     seed: int = 0
 
@@ -165,6 +169,9 @@ class TrainerConfig:
     export_final: bool = True
     # Seconds to wait for rollouts of one step before failing with a clear error.
     rollout_timeout_s: float = 600.0
+    # A step whose advantages, loss or gradient norm is not finite is skipped (weights unchanged, republished as the
+    # next version); this many skipped steps in a row stop the run (docs/fault-tolerance.md).
+    max_bad_steps: int = 5
     threads: int = 1
 
 
@@ -197,6 +204,12 @@ class InferenceConfig:
     threads: int = 1
     # Seconds a worker waits for the first weights (SFT runs first on the trainer).
     startup_timeout_s: float = 900.0
+    # A worker stops with an error when nothing has moved for this long: it published nothing, received no weights,
+    # and the trainer claimed no step (0: wait forever).
+    idle_timeout_s: float = 1800.0
+    # A worker that dies is started again, up to this many times per worker (local launcher, with
+    # weights.transport=filesystem: it rejoins at the newest snapshot); 0: a dead worker ends the run.
+    max_restarts: int = 0
     # ---- vLLM-only settings (ignored by the transformers engine) ----
     tensor_parallel_size: int = 1
     # GPU: share of GPU memory vLLM may take (weights + KV cache). Not used on CPU, where vLLM reads it as a share of
@@ -232,6 +245,16 @@ class InferenceConfig:
     kv_transfer_config: Dict[str, Any] = field(default_factory=dict)
     # Further vLLM EngineArgs, passed as given; they override everything above.
     engine_args: Dict[str, Any] = field(default_factory=dict)
+    # ---- serving the policy over HTTP (docs/serving.md) ----
+    # Each worker serves its engine (OpenAI-compatible endpoints and /inference/v1/generate) beside its rollouts; the
+    # address goes to rendezvous/serve-<rank>.json.
+    serve: bool = False
+    # Answer requests that do not carry the run's token (`Authorization: Bearer <token>`): trusted networks only.
+    serve_open: bool = False
+    # Port of worker 0 (worker i listens on serve_port + i); 0: any free port.
+    serve_port: int = 0
+    # Address to listen on: "" is this node's address (loopback in a local run); "0.0.0.0": every interface.
+    serve_host: str = ""
 
 
 @dataclass
@@ -251,6 +274,15 @@ class QueueConfig:
     max_pending_steps: int = 2
     # Keep the folders of trained steps under queue/retired (otherwise delete them once checkpointed).
     keep_retired: bool = False
+    # Seconds an in-flight marker (a batch a worker is generating) counts against back-pressure without being renewed;
+    # the worker renews it every lease_s/3, so a dead worker's marker stops counting after at most lease_s.
+    lease_s: float = 60.0
+    # Longest wait between two looks at the queue of a waiting worker (waits back off from 10 ms to this, and start
+    # again at 10 ms after progress): bounds the filesystem metadata operations per second of each worker.
+    poll_max_s: float = 0.5
+    # Files kept in queue/dropped and queue/quarantine (the newest; older ones are deleted, totals are counted).
+    keep_dropped: int = 100
+    keep_quarantined: int = 100
 
 
 @dataclass
@@ -302,6 +334,14 @@ class ClusterConfig:
 
 
 @dataclass
+class ResumeConfig:
+    # Relaunching an unfinished run whose saved config.yaml differs in a key that changes training (the model, the
+    # environment, the algorithm, the optimizer, ...) is refused, listing the differences; true trains on with the new
+    # values (the change is appended to run_dir/config_changes.jsonl).
+    allow_config_change: bool = False
+
+
+@dataclass
 class LauncherConfig:
     # local | slurm (one heterogeneous job through submitit) | sbatch (the same job script through the sbatch command)
     name: str = "local"
@@ -338,6 +378,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
 
 
 def register() -> None:
@@ -388,8 +429,10 @@ def validate(cfg: Config) -> None:
     need(cfg.algo.temperature > 0, "algo.temperature", "must be > 0 for sampling")
     need(cfg.trainer.steps >= 0, "trainer.steps", "must be >= 0")
     need(cfg.trainer.num_ranks >= 1, "trainer.num_ranks", "must be >= 1")
+    need(cfg.trainer.max_bad_steps >= 1, "trainer.max_bad_steps", "must be >= 1")
     need(cfg.inference.num_workers >= 1, "inference.num_workers", "must be >= 1")
     need(cfg.inference.groups_per_batch >= 1, "inference.groups_per_batch", "must be >= 1")
+    need(0 <= cfg.inference.serve_port < 65536, "inference.serve_port", "must be a TCP port (0: any free port)")
     pd = cfg.inference.disaggregation
     if pd.enabled:
         need(cfg.inference.engine == "vllm", "inference.disaggregation.enabled",
@@ -424,6 +467,18 @@ def validate(cfg: Config) -> None:
     need(cfg.sft.check_interval >= 1, "sft.check_interval", "must be >= 1")
     need(0.0 <= cfg.sft.stop_at_reward <= 1.0, "sft.stop_at_reward", "must be in [0, 1] (0: no early stop)")
     need(cfg.queue.max_pending_steps >= 1, "queue.max_pending_steps", "must be >= 1")
+    need(cfg.queue.lease_s > 0, "queue.lease_s", "must be > 0")
+    need(cfg.queue.poll_max_s > 0, "queue.poll_max_s", "must be > 0")
+    need(cfg.queue.keep_dropped >= 0, "queue.keep_dropped", "must be >= 0")
+    need(cfg.queue.keep_quarantined >= 0, "queue.keep_quarantined", "must be >= 0")
+    need(cfg.inference.idle_timeout_s >= 0, "inference.idle_timeout_s", "must be >= 0 (0: wait forever)")
+    need(cfg.inference.max_restarts >= 0, "inference.max_restarts", "must be >= 0")
+    if cfg.inference.max_restarts:
+        need(cfg.weights.transport == "filesystem", "inference.max_restarts",
+             "restarted workers rejoin through weights snapshots, and the broadcast group's members are fixed when it "
+             "forms: set weights.transport=filesystem (docs/fault-tolerance.md)")
+        need(cfg.launcher.name == "local", "inference.max_restarts",
+             f"only the local launcher restarts workers so far (launcher={cfg.launcher.name})")
     need(cfg.eval.num_tasks >= 1, "eval.num_tasks", "must be >= 1")
     need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
     need(cfg.env.max_new_tokens >= 1, "env.max_new_tokens", "must be >= 1")

@@ -21,6 +21,9 @@ class Identity:
     attempt: str
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    # How many times this process was restarted after dying (inference.max_restarts), and how many restarts are left.
+    restart: int = 0
+    restarts_left: int = 0
 
 
 def identity_from_env(env=os.environ) -> Identity:
@@ -33,4 +36,6 @@ def identity_from_env(env=os.environ) -> Identity:
         attempt=env.get("RLHPC_ATTEMPT", "0"),
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=int(env.get("MASTER_PORT", "29500")),
+        restart=int(env.get("RLHPC_RESTART", "0")),
+        restarts_left=int(env.get("RLHPC_RESTARTS_LEFT", "0")),
     )

@@ -20,7 +20,12 @@ log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen-style chat template: what the assistant says ends with <|im_end|>, which is also the tokenizer's eos token.
+# Tools (`tools=`) are listed compactly in a system turn, as `name(arg, ...): description`, to keep a tiny model's
+# prompts short; the policy calls them as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (rlhpc.env.tools).
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %}{% set f = t['function'] if 'function' in t else t %}"
+    "{{ '\\n- ' }}{{ f['name'] }}({{ (f['parameters']['properties'] if 'parameters' in f and 'properties' in f['parameters'] "
+    "else {}) | join(', ') }}): {{ f['description'] }}{% endfor %}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -28,7 +33,7 @@ CHAT_TEMPLATE = (
 _MERGE_CORPUS = ["user", "assistant", "system"]
 
 
-def build_tokenizer(merges: int = 16) -> PreTrainedTokenizerFast:
+def build_tokenizer(merges: int = 16, added_tokens=(), corpus=()) -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -40,9 +45,11 @@ def build_tokenizer(merges: int = 16) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_MERGE_CORPUS * 8, trainer)
+    tok.train_from_iterator((_MERGE_CORPUS + list(corpus)) * 8, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
+    if added_tokens:
+        fast.add_tokens(list(added_tokens))
     return fast
 
 
@@ -70,7 +77,7 @@ def _arch_config(cfg: ModelConfig, vocab_size: int, tokenizer: PreTrainedTokeniz
 
 def build(cfg: ModelConfig, out_dir: Path) -> Path:
     """Builds the tiny model and tokenizer of `cfg` with its seed and saves both in Hugging Face format."""
-    tokenizer = build_tokenizer(cfg.tokenizer_merges)
+    tokenizer = build_tokenizer(cfg.tokenizer_merges, cfg.tokenizer_added_tokens, cfg.tokenizer_corpus)
     hf_config = _arch_config(cfg, len(tokenizer), tokenizer)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)

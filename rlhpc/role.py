@@ -57,7 +57,9 @@ def main() -> int:
         return 143
     except BaseException as e:
         log.exception("%s rank %d failed", ident.role, ident.rank)
-        if not run.failed.exists():  # the first failure is the cause; later ones are consequences
+        # The first failure is the cause; later ones are consequences. A worker the launcher will restart has not
+        # failed the run.
+        if not run.failed.exists() and not ident.restarts_left:
             write_json(run.failed, {"role": ident.role, "rank": ident.rank, "error": repr(e)}, durable=False)
         return 1
     log.info("%s rank %d finished", ident.role, ident.rank)

@@ -65,6 +65,25 @@ def wait_for(
         delay = min(delay * 2, poll_s)
 
 
+class Backoff:
+    """The waits of a polling loop on the shared filesystem: `first_s`, doubling up to `max_s`, back to `first_s` on
+    `reset()` (after progress). A loop that does k metadata operations per look thus does at most k / max_s per
+    second while nothing happens, however long that lasts."""
+
+    def __init__(self, max_s: float, first_s: float = 0.01):
+        self.first_s, self.max_s = first_s, max_s
+        self.delay = min(first_s, max_s)
+
+    def next(self) -> float:
+        """The next wait (the caller sleeps it, or waits on something that may end it early)."""
+        d = self.delay
+        self.delay = min(self.delay * 2, self.max_s)
+        return d
+
+    def reset(self) -> None:
+        self.delay = min(self.first_s, self.max_s)
+
+
 @dataclass(frozen=True)
 class RunDir:
     root: Path

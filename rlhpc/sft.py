@@ -44,10 +44,10 @@ def main() -> None:
         env = env_mod.load(cfg.env)
         eval_tasks = list(islice(env.tasks("eval", 0), cfg.eval.num_tasks))
         engine = HFEngine(model, tok.pad_token_id)
-        before = evaluate(engine, env, tok, eval_tasks, cfg.env.max_new_tokens)
+        before = evaluate(engine, env, tok, eval_tasks, cfg.env)
         t0 = time.time()
         losses = sft_train(model, tok, env, cfg, on_step=lambda s, l: s % 50 == 0 and log.info("sft step %d loss %.4f", s, l))
-        after = evaluate(engine, env, tok, eval_tasks, cfg.env.max_new_tokens)
+        after = evaluate(engine, env, tok, eval_tasks, cfg.env)
         model.save_pretrained(run.model)
         tok.save_pretrained(run.model)
         out = {"heldout_reward_before": before, "heldout_reward_sft": after, "sft_steps": len(losses),

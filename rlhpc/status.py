@@ -103,6 +103,8 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
                **{k: v for k, v in info.items() if k in ("host", "step", "version", "phase")}}
         for name, info in run.heartbeats().items() if "time" in info
     }
+    # Workers serving the policy over HTTP (inference.serve=true): rendezvous/serve-<rank>.json.
+    out["endpoints"] = [e for e in (read_json(p) for p in sorted(run.rendezvous.glob("serve-*.json"))) if e]
     fail = run.failure_report()
     if fail:
         out["failure"] = fail
@@ -164,6 +166,9 @@ def render(info: Dict[str, Any]) -> str:
             lines.append(f"  {name:<14} {hb['age_s']:>7.1f}s ago  on {hb.get('host', '?')}{extra}")
     else:
         lines.append("heartbeats: none yet")
+    for e in info.get("endpoints", []):
+        auth = "open" if e.get("auth") == "open" else f"token in rendezvous/{e.get('token_file')}"
+        lines.append(f"serving: worker {e.get('rank')} at {e.get('url')}, model {e.get('model')} ({auth})")
     if "summary" in info:
         lines.append("summary: " + ", ".join(f"{k} {_fmt(v)}" for k, v in info["summary"].items()))
     if "failure" in info:

@@ -2,7 +2,6 @@
 ever holding that tensor, also under FSDP2; the model still generates afterwards."""
 
 import multiprocessing as mp
-import socket
 import traceback
 
 import pytest
@@ -12,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rlhpc import models
 from rlhpc.train.batching import pad, token_logprobs
 from rlhpc.config import ModelConfig
+from rlhpc.procs import free_port
 
 CTX = mp.get_context("spawn")
 SEQS = [[5, 9, 44, 70, 2, 3, 120, 121, 30, 31, 32], [7, 8, 100, 101, 102, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
@@ -126,9 +126,7 @@ def _fsdp_worker(model_dir, rank, world, port, out):
 
 @pytest.mark.slow
 def test_chunked_logprobs_under_fsdp2_give_the_single_process_gradients(model_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = CTX.Queue()
     procs = [CTX.Process(target=_fsdp_worker, args=(model_dir, r, 2, port, out), daemon=True) for r in range(2)]
     for p in procs:

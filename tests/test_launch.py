@@ -22,8 +22,9 @@ def launch(run_dir, *overrides, timeout=240, env=None, **kw):
     )
 
 
-def rlhpc_processes(run_dir) -> list:
-    """PIDs of role processes started for `run_dir` (found by their environment)."""
+def rlhpc_processes(run_dir, roles_only: bool = False) -> list:
+    """PIDs of processes started for `run_dir` (found by their environment): the roles and their helpers (each
+    inference worker's environment pool), or the roles only."""
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -33,6 +34,11 @@ def rlhpc_processes(run_dir) -> list:
         except OSError:
             continue
         if f"RLHPC_RUN_DIR={run_dir}".encode() in environ:
+            try:
+                if roles_only and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    continue
+            except OSError:
+                continue
             found.append(int(pid))
     return found
 
@@ -54,9 +60,9 @@ def test_sigint_ends_every_process_the_launcher_started(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", "trainer.steps=10000"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while time.time() < deadline and len(rlhpc_processes(run_dir)) < 3:
+    while time.time() < deadline and len(rlhpc_processes(run_dir, roles_only=True)) < 3:
         time.sleep(0.2)
-    assert len(rlhpc_processes(run_dir)) == 3
+    assert len(rlhpc_processes(run_dir, roles_only=True)) == 3
     time.sleep(2)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)

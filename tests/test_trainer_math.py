@@ -2,7 +2,6 @@
 micro-batch size; checkpoints resume exactly, also on a different number of ranks."""
 
 import multiprocessing as mp
-import socket
 import traceback
 from pathlib import Path
 
@@ -11,18 +10,13 @@ import torch
 
 from rlhpc import config as config_mod
 from rlhpc import models
-from rlhpc.config import Config, ModelConfig
+from rlhpc.config import ModelConfig
 from rlhpc.transport.queue import Group, RolloutBatch
 from rlhpc.identity import Identity
+from rlhpc.procs import free_port
 from rlhpc.rundir import RunDir
 
 CTX = mp.get_context("spawn")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_batch(vocab: int, seed: int = 0, groups: int = 4, group_size: int = 4) -> RolloutBatch:

@@ -191,3 +191,28 @@ def test_vllm_writes_its_caches_under_the_run_directory(engine, run_dir):
 def test_an_unknown_weight_update_path_is_refused_naming_the_key(model_dir, run_dir):
     with pytest.raises(ValueError, match="inference.weight_update"):
         make_engine("vllm", str(model_dir), cfg=InferenceConfig(engine="vllm", weight_update="fast"), run_dir=str(run_dir))
+
+
+def test_a_three_turn_tool_episode_is_token_exact_with_vllm(engine, model_dir):
+    """Multi-turn, tool-using episodes through vLLM: the trainer's logprobs of the trained sequence equal vLLM's
+    sampling logprobs, and the environment's tokens carry no loss."""
+    import sys
+
+    from rlhpc.config import EnvConfig
+    from rlhpc.env import load
+    from rlhpc.env.episode import run_episodes
+    from rlhpc.env.pool import EnvPool
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_episodes import assert_token_exact
+
+    hf = HFEngine.from_pretrained(str(model_dir))
+    engine.update_weights(list(hf.model.state_dict().items()))
+    env = load(EnvConfig(cls="episode_envs:Echo", max_new_tokens=12))
+    tok = models.load_tokenizer(model_dir)
+    tasks = [t for _, t in zip(range(3), env.tasks("train", 0))]
+    with EnvPool(env.config, processes=0, env=env) as pool:
+        groups = run_episodes(engine, env, pool, tok, tasks, 2, 0.8, 12, 3)
+    eps = [e for g in groups for e in g]
+    assert all(e.turns == 3 and e.error is None for e in eps)
+    assert_token_exact(eps, hf.model, 0.8)

@@ -1,7 +1,9 @@
 """The local launcher: every role as a plain OS process on this machine, through the same entry point Slurm uses.
 
 It watches its children: a role that fails ends the others and the launcher exits non-zero with the tail of that
-role's log; Ctrl-C or SIGTERM ends every process it started; a progress bar follows the trainer's heartbeat.
+role's log, except an inference worker with restarts left (`inference.max_restarts`), which is started again and
+rejoins at the newest weights snapshot while training goes on; Ctrl-C or SIGTERM ends every process it started; a
+progress bar follows the trainer's heartbeat.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import IO, List, Optional
+from typing import IO, List
 
 from rlhpc.config import Config
 from rlhpc.infer.engines.disagg import describe as disagg_describe
@@ -36,6 +38,7 @@ class LocalLauncher:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.procs: List[Proc] = []
+        self.restarts: dict = {}  # inference rank -> times restarted
 
     def plan(self) -> str:
         c = self.cfg
@@ -77,7 +80,8 @@ class LocalLauncher:
             for r in range(cfg.trainer.num_ranks):
                 self.procs.append(self.spawn(run, "trainer", r, cfg.trainer.num_ranks, master))
             for r in range(cfg.inference.num_workers):
-                self.procs.append(self.spawn(run, "inference", r, cfg.inference.num_workers, {}))
+                self.procs.append(self.spawn(run, "inference", r, cfg.inference.num_workers,
+                                             {"RLHPC_RESTARTS_LEFT": str(cfg.inference.max_restarts)}))
             print(f"run_dir: {run.root}\nlogs:    {run.logs}/  (tensorboard --logdir {run.tb})", flush=True)
             code = self.watch(run, t0, stop)
         finally:
@@ -99,7 +103,7 @@ class LocalLauncher:
                 if stop["signal"] is not None:
                     print(f"\nstopping: received {signal.Signals(stop['signal']).name}; ending all roles", file=sys.stderr)
                     return 130 if stop["signal"] == signal.SIGINT else 143
-                failed = [p for p in self.procs if p.popen.poll() not in (None, 0)]
+                failed = [p for p in self.procs if p.popen.poll() not in (None, 0) and not self.restart(run, p)]
                 if failed:
                     p = self.cause(run, failed[0])
                     print(f"\n{p.name} exited with code {p.popen.poll()}; ending the others. Last lines of "
@@ -126,6 +130,21 @@ class LocalLauncher:
         finally:
             if bar:
                 bar.close()
+
+    def restart(self, run: RunDir, p: Proc) -> bool:
+        """Starts a dead inference worker again if it has restarts left and the run goes on; True if it did."""
+        n, limit = self.restarts.get(p.rank, 0), self.cfg.inference.max_restarts
+        if p.role != "inference" or n >= limit or run.done.exists() or run.failed.exists():
+            return False
+        self.restarts[p.rank] = n + 1
+        print(f"\n{p.name} exited with code {p.popen.returncode}; restarting it ({n + 1} of inference.max_restarts="
+              f"{limit}); last lines of its log:\n{tail(run.log_file(p.role, p.rank), 5)}", file=sys.stderr, flush=True)
+        _killpg(p.popen.pid, signal.SIGKILL)  # what is left of its process group (environment pool processes)
+        p.log.close()
+        new = self.spawn(run, "inference", p.rank, self.cfg.inference.num_workers,
+                         {"RLHPC_RESTART": str(n + 1), "RLHPC_RESTARTS_LEFT": str(limit - n - 1)})
+        self.procs[self.procs.index(p)] = new
+        return True
 
     def cause(self, run: RunDir, first: Proc) -> Proc:
         """The role whose failure started it all (status/FAILED names the first), else the first seen dead."""

@@ -1,7 +1,22 @@
-"""Environments: where tasks come from and how completions are rewarded.
+"""The environment interface: where tasks come from, how an episode unfolds, how it is rewarded.
 
-An environment lives in `envs/<name>.py` (one class deriving from `Environment`) or anywhere importable
-(`env.cls=package.module:Class`). Its constructor takes `env.args`. Each inference worker builds its own instance.
+An episode starts from a task's messages; the policy answers; the environment replies (feedback, tool results, a new
+question) or ends it; and so on, up to `env.max_turns` policy turns and `env.max_episode_tokens` tokens. A
+single-turn environment is the one-turn case and only writes `tasks`, `messages` and `reward`:
+
+    class Reverse(Environment):
+        def tasks(self, split, seed): ...                       # Task(id, data)
+        def messages(self, task): return [{"role": "user", "content": "Reverse: " + task.data["text"]}]
+        def reward(self, task, completion): return float(completion.strip() == task.data["text"][::-1])
+
+A multi-turn environment also writes `respond` (and keeps what it needs in the episode's `state`, a picklable dict
+made by `start`); a tool-using one derives from `rlhpc.env.tools.ToolEnvironment` and declares `tools()`.
+docs/environments.md has a worked example of each kind.
+
+Where the methods run: `tasks`, `messages`, `tools` in the inference worker; `start`, `respond`, `score`, `finish`
+in a pool of processes beside generation (rlhpc.env.pool), each call with a timeout, each process with its own
+instance built from the same `env` config. An environment lives in `envs/<name>.py` (one class deriving from
+`Environment`) or anywhere importable (`env.cls=package.module:Class`); its constructor takes `env.args`.
 """
 
 from __future__ import annotations
@@ -14,11 +29,13 @@ import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 from rlhpc.config import EnvConfig
 
 ENVS_DIR = Path(os.environ.get("RLHPC_ENVS_DIR", Path(__file__).resolve().parents[2] / "envs"))
+
+Message = Dict[str, Any]
 
 
 @dataclass
@@ -27,24 +44,85 @@ class Task:
     data: Dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class Reply:
+    """What the environment answers to the policy's last turn."""
+
+    # Messages shown to the policy next (role "user" for feedback, "tool" for tool results).
+    messages: List[Message] = field(default_factory=list)
+    # The episode ends here: the policy takes no further turn.
+    done: bool = False
+    # Counters summed into the worker's metrics as env/<key> (tool_calls, tool_errors, invalid_guesses, ...).
+    counts: Dict[str, float] = field(default_factory=dict)
+
+
 class Environment(ABC):
     name: str = "env"
+    # Policy turns per episode unless `env.max_turns` says otherwise.
+    max_turns: int = 1
+    # The `env` config it was loaded with (set by `configure`; None for an instance built directly).
+    config: Optional[EnvConfig] = None
+
+    def configure(self, cfg: EnvConfig) -> None:
+        """Called by `load` after the constructor with the whole `env` config; raise here to refuse to start."""
+        self.config = cfg
 
     @abstractmethod
     def tasks(self, split: str, seed: int) -> Iterator[Task]:
         """Tasks of `split` ("train": endless, in an order set by `seed`; "eval": the fixed held-out set)."""
 
     @abstractmethod
-    def messages(self, task: Task) -> List[Dict[str, str]]:
-        """The chat messages the model answers."""
+    def messages(self, task: Task) -> List[Message]:
+        """The chat messages the policy answers first."""
 
-    @abstractmethod
     def reward(self, task: Task, completion: str) -> float:
-        """Reward of one completion, in [0, 1] by convention."""
+        """Reward of a single-turn answer, in [0, 1] by convention (multi-turn environments write `score`)."""
+        raise NotImplementedError(f"environment {self.name} defines neither reward nor score")
 
-    def reference(self, task: Task) -> str:
-        """A correct answer, for the supervised warm start."""
+    def tools(self) -> List[Any]:
+        """The tools the policy may call (rlhpc.env.tools.Tool); their schemas reach it through the chat template."""
+        return []
+
+    def start(self, task: Task) -> Dict[str, Any]:
+        """The state of a new episode (a picklable dict: it travels to the pool's processes and back)."""
+        return {}
+
+    def respond(self, task: Task, state: Dict[str, Any], completion: str) -> Reply:
+        """The environment's answer to the policy's turn `completion`; single-turn environments end at once."""
+        return Reply(done=True)
+
+    def score(self, task: Task, state: Dict[str, Any], completions: List[str]) -> float:
+        """Reward of a whole episode, given the policy's turns in order (default: `reward` of the last turn)."""
+        return self.reward(task, completions[-1])
+
+    def finish(self, task: Task, state: Dict[str, Any]) -> None:
+        """Releases what the episode held (a work folder, a sandbox); called after `score`, also after a failure."""
+
+    def reference(self, task: Task) -> Union[str, List[Message]]:
+        """A correct answer for the supervised warm start: the answer's text (single turn), or the messages that
+        follow `messages(task)` in a correct episode (assistant turns, with tool calls written as the policy would
+        write them, and the environment's replies)."""
         raise NotImplementedError(f"environment {self.name} has no reference answers, so it cannot be used for SFT")
+
+
+def env_module(name: str) -> Any:
+    """The module of `envs/<name>.py`, loaded once per process (an environment may build on another's module)."""
+    path = ENVS_DIR / f"{name}.py"
+    if not path.exists():
+        known = sorted(p.stem for p in ENVS_DIR.glob("*.py") if not p.stem.startswith("_"))
+        raise ValueError(f"config key `env.name`: no environment {name!r} in {ENVS_DIR} (known: {', '.join(known)})")
+    module_name = f"rlhpc_envs.{name}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)  # type: ignore[union-attr]
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+    return module
 
 
 def load(cfg: EnvConfig) -> Environment:
@@ -55,20 +133,42 @@ def load(cfg: EnvConfig) -> Environment:
         except (ImportError, AttributeError) as e:
             raise ValueError(f"config key `env.cls`: cannot import {cfg.cls!r}: {e}") from e
     else:
-        path = ENVS_DIR / f"{cfg.name}.py"
-        if not path.exists():
-            known = sorted(p.stem for p in ENVS_DIR.glob("*.py") if not p.stem.startswith("_"))
-            raise ValueError(f"config key `env.name`: no environment {cfg.name!r} in {ENVS_DIR} (known: {', '.join(known)})")
-        spec = importlib.util.spec_from_file_location(f"rlhpc_envs.{cfg.name}", path)
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules[spec.name] = module  # type: ignore[union-attr]
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-        found = [c for c in vars(module).values() if inspect.isclass(c) and issubclass(c, Environment) and c is not Environment
-                 and c.__module__ == module.__name__]
+        module = env_module(cfg.name)
+        path = module.__file__
+        found = [c for c in vars(module).values() if inspect.isclass(c) and issubclass(c, Environment)
+                 and not inspect.isabstract(c) and c.__module__ == module.__name__]
         if len(found) != 1:
             raise ValueError(f"{path} must define exactly one Environment subclass (found {len(found)})")
         cls = found[0]
     try:
-        return cls(**cfg.args)
+        env = cls(**cfg.args)
     except TypeError as e:
         raise ValueError(f"config key `env.args`: {cls.__name__} does not accept {dict(cfg.args)}: {e}") from e
+    env.configure(cfg)  # what a pool process needs to build its own instance, and tools the sandbox settings
+    return env
+
+
+def max_turns(env: Environment, cfg: EnvConfig) -> int:
+    return cfg.max_turns or env.max_turns
+
+
+def play(env: Environment, task: Task, policy, turns: int = 0) -> tuple[float, List[Message]]:
+    """Runs one episode in this process with a scripted `policy` (messages so far -> the assistant's text) and
+    returns (score, the whole conversation). For testing an environment without a model: a reference policy should
+    score 1 and a wrong one ~0. The trainer's episodes go through rlhpc.env.episode (tokens, pool, timeouts)."""
+    turns = turns or env.max_turns
+    state = env.start(task)
+    conversation = list(env.messages(task))
+    completions: List[str] = []
+    try:
+        for _ in range(turns):
+            text = policy(conversation)
+            completions.append(text)
+            conversation.append({"role": "assistant", "content": text})
+            reply = env.respond(task, state, text)
+            if reply.done:
+                break
+            conversation.extend(reply.messages)
+        return env.score(task, state, completions), conversation
+    finally:
+        env.finish(task, state)

@@ -1,71 +1,86 @@
-"""From tasks to rollout groups: prompt, generate a group per task, reward, compute advantages, pack.
+"""From tasks to rollout groups: run a group of episodes per task, score them, compute advantages, pack.
 
-Shared by the inference worker (training rollouts) and held-out evaluation.
+Shared by the inference worker (training rollouts) and held-out evaluation. The episodes themselves (turns, tools,
+the environment's replies, token-exact trajectories) are rlhpc.env.episode's.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from rlhpc.algo.advantage import group_advantages, keep_group
-from rlhpc.config import AlgoConfig
-from rlhpc.infer.engines import Engine
+from rlhpc.config import AlgoConfig, EnvConfig
 from rlhpc.env import Environment, Task
+from rlhpc.env.base import max_turns
+from rlhpc.env.episode import Episode, Renderer, check_failures, failures, run_episodes
+from rlhpc.env.pool import EnvPool
+from rlhpc.infer.engines import Engine
 from rlhpc.transport.queue import Group, RolloutBatch
 
 
 def prompt_ids(tokenizer, env: Environment, task: Task) -> List[int]:
-    ids = tokenizer.apply_chat_template(env.messages(task), add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    """The first prompt of a task's episode, with the environment's tools, as token ids."""
+    return Renderer(tokenizer, [t.schema() for t in env.tools()]).prompt(env.messages(task))
 
 
-def stop_ids(tokenizer) -> List[int]:
-    return [tokenizer.eos_token_id]
+def episodes(engine: Engine, env: Environment, pool: EnvPool, tokenizer, tasks: Sequence[Task], n: int,
+             temperature: float, env_cfg: EnvConfig, version: int = 0, greedy: bool = False) -> List[List[Episode]]:
+    if hasattr(env, "run_episodes"):  # an environment that runs its own episodes (rlhpc.env.verifiers_env)
+        return env.run_episodes(engine, tokenizer, tasks, n, temperature, env_cfg, version=version, greedy=greedy)
+    return run_episodes(engine, env, pool, tokenizer, tasks, n, temperature, env_cfg.max_new_tokens,
+                        max_turns(env, env_cfg), env_cfg.max_episode_tokens, version, greedy=greedy,
+                        error_reward=env_cfg.error_reward, timeout_s=env_cfg.call_timeout_s * 4 + 60)
 
 
-def generate_groups(
-    engine: Engine, env: Environment, tokenizer, tasks: Sequence[Task], algo: AlgoConfig, max_new_tokens: int, version: int
-) -> Tuple[Optional[RolloutBatch], int]:
-    """A batch with one group per task, and how many groups dynamic sampling filtered out (None if all were)."""
-    prompts = [prompt_ids(tokenizer, env, t) for t in tasks]
-    outs = engine.generate(prompts, algo.group_size, algo.temperature, max_new_tokens, stop_ids(tokenizer))
+def generate_groups(engine: Engine, env: Environment, pool: EnvPool, tokenizer, tasks: Sequence[Task],
+                    algo: AlgoConfig, env_cfg: EnvConfig, version: int
+                    ) -> Tuple[Optional[RolloutBatch], int, Dict[str, float]]:
+    """A batch with one group per task, how many groups dynamic sampling filtered out (None if all were), and the
+    environment's counters (env/errors, env/timeouts, tool calls, ...). Raises EnvironmentFailure when more than
+    `env.max_error_fraction` of the samples failed."""
+    groups_of_episodes = episodes(engine, env, pool, tokenizer, tasks, algo.group_size, algo.temperature, env_cfg,
+                                  version)
+    flat = [e for g in groups_of_episodes for e in g]
+    check_failures(env, flat, env_cfg.max_error_fraction)
     tokens, logprobs, mask, advantages, group_of, lengths = [], [], [], [], [], []
     groups: List[Group] = []
     filtered = 0
-    for task, prompt, comps in zip(tasks, prompts, outs):
-        rewards = torch.tensor([env.reward(task, tokenizer.decode(c.tokens, skip_special_tokens=True)) for c in comps])
+    for task, eps in zip(tasks, groups_of_episodes):
+        rewards = torch.tensor([e.reward for e in eps], dtype=torch.float32)
         if not keep_group(rewards, algo):  # no reward variance: no learning signal (DAPO dynamic sampling)
             filtered += 1
             continue
         gi = len(groups)
-        adv = group_advantages(rewards, torch.tensor([len(c.tokens) for c in comps]), algo, max_new_tokens)
-        for c, a in zip(comps, adv.tolist()):
-            tokens.append(torch.as_tensor(prompt + c.tokens, dtype=torch.long))
-            logprobs.append(torch.cat([torch.zeros(len(prompt)), torch.as_tensor(c.logprobs, dtype=torch.float32)]))
-            mask.append(torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(len(c.tokens), dtype=torch.bool)]))
+        adv = group_advantages(rewards, torch.tensor([e.sampled_tokens for e in eps]), algo, env_cfg.max_new_tokens)
+        for e, a in zip(eps, adv.tolist()):
+            tokens.append(torch.as_tensor(e.ids, dtype=torch.long))
+            logprobs.append(torch.cat([torch.zeros(e.prompt_len), torch.as_tensor(e.logprobs, dtype=torch.float32)]))
+            mask.append(torch.cat([torch.zeros(e.prompt_len, dtype=torch.bool), torch.as_tensor(e.mask, dtype=torch.bool)]))
             advantages.append(a)
             group_of.append(gi)
-            lengths.append(len(prompt) + len(c.tokens))
+            lengths.append(len(e.ids))
         groups.append(
             Group(
                 uid=uuid.uuid4().hex,
                 env=env.name,
                 task_id=task.id,
                 # With in-flight updates (vLLM) a completion knows the versions that produced it.
-                version=max(getattr(c, "max_version", None) or version for c in comps),
-                num_samples=len(comps),
+                version=max(e.max_version if e.max_version is not None else version for e in eps),
+                num_samples=len(eps),
                 rewards=rewards.tolist(),
-                truncated=[c.finish_reason == "length" for c in comps],
-                min_version=min(getattr(c, "min_version", None) if getattr(c, "min_version", None) is not None
-                                else version for c in comps),
-                extra={"completion_tokens": [len(c.tokens) for c in comps]},
+                truncated=[e.truncated for e in eps],
+                min_version=min(e.min_version if e.min_version is not None else version for e in eps),
+                extra={"completion_tokens": [e.sampled_tokens for e in eps], "turns": [e.turns for e in eps],
+                       "errors": [e.error for e in eps if e.error]},
             )
         )
+    stats = failures(flat)
+    stats["env/turns"] = sum(e.turns for e in flat) / max(len(flat), 1)
     if not groups:
-        return None, filtered
+        return None, filtered, stats
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
     offsets[1:] = torch.cumsum(torch.as_tensor(lengths), 0)
     batch = RolloutBatch(
@@ -77,12 +92,13 @@ def generate_groups(
         group_of=torch.tensor(group_of, dtype=torch.long),
         groups=groups,
     )
-    return batch, filtered
+    return batch, filtered, stats
 
 
-def evaluate(engine: Engine, env: Environment, tokenizer, tasks: Sequence[Task], max_new_tokens: int) -> float:
-    """Mean reward of greedy answers to `tasks`."""
-    prompts = [prompt_ids(tokenizer, env, t) for t in tasks]
-    outs = engine.generate(prompts, 1, 1.0, max_new_tokens, stop_ids(tokenizer), greedy=True)
-    rewards = [env.reward(t, tokenizer.decode(o[0].tokens, skip_special_tokens=True)) for t, o in zip(tasks, outs)]
+def evaluate(engine: Engine, env: Environment, tokenizer, tasks: Sequence[Task], env_cfg: EnvConfig,
+             pool: Optional[EnvPool] = None) -> float:
+    """Mean reward of greedy episodes of `tasks` (environment calls inline unless a pool is given)."""
+    pool = pool if pool is not None else EnvPool(env_cfg, processes=0, env=env)
+    eps = episodes(engine, env, pool, tokenizer, tasks, 1, 1.0, env_cfg, greedy=True)
+    rewards = [g[0].reward for g in eps]
     return sum(rewards) / len(rewards)

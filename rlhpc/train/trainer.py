@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from itertools import islice
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from rlhpc.identity import Identity
 from rlhpc.stop import Stop, stop_requested
 from rlhpc.infer.rollout import evaluate
 from rlhpc.rundir import RunDir, read_json, wait_for, write_json
+from rlhpc.train.guard import BadSteps, nonfinite_advantages, nonfinite_groups, nonfinite_update
 from rlhpc.train.optim import make_optimizer
 from rlhpc.train.warmstart import sft_train
 from rlhpc.transport.weights import BroadcastSender, FilesystemSender, WeightsSender, write_snapshot
@@ -54,11 +55,14 @@ class Trainer:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{ident.master_addr}:{ident.master_port}",
                                     rank=self.rank, world_size=self.world)
-        self.queue = Queue(run.queue)
+        self.queue = Queue(run.queue, lease_s=cfg.queue.lease_s, keep_dropped=cfg.queue.keep_dropped,
+                           keep_quarantined=cfg.queue.keep_quarantined)
         self.env = env_mod.load(cfg.env)
         self.loss_fn = loss_mod.get(cfg.algo.name)
         self.metrics: Optional[Metrics] = Metrics(run, "trainer", self.rank) if self.is_main else None
         self.summary: Dict = {}
+        # Steps skipped for non-finite values (rlhpc/train/guard.py); too many in a row stop the run.
+        self.bad_steps = BadSteps(cfg.trainer.max_bad_steps, report=self.is_main)
         # Set up in run(): the model (FSDP2-sharded when world > 1), its optimizer, the weights sender, the evaluator.
         self.model: torch.nn.Module
         self.optimizer: torch.optim.Optimizer
@@ -80,6 +84,7 @@ class Trainer:
             return "requeue"
         self.tokenizer = models.load_tokenizer(self.run.model)
         self.model = self.wrap(models.load_model(self.run.model, cfg.model.dtype).to(self.device))
+        self.queue.vocab_size = self.model.config.vocab_size  # a file with larger token ids is quarantined
         self.optimizer = make_optimizer(self.model.parameters(), cfg.trainer.optim)
         # The frozen policy RL starts from, for a KL penalty against it (algo.ref_kl_coef).
         self.reference = None
@@ -119,9 +124,9 @@ class Trainer:
             stats["weights/publish_s"] = time.time() - t_pub
             if self.is_main:
                 self.queue.set_progress(claimed=step + 1, version=step + 1)
-                self.queue.record(step, claim)
+                self.queue.record(step, claim, skipped=self.bad_steps.last)
                 if self.eval_due(step + 1):
-                    r = evaluate(self.eval_engine, self.env, self.tokenizer, self.eval_tasks, cfg.env.max_new_tokens)
+                    r = evaluate(self.eval_engine, self.env, self.tokenizer, self.eval_tasks, cfg.env)
                     curve.append((step + 1, r))
                     stats["eval/heldout_reward"] = r
                     log.info("step %d held-out reward %.3f", step + 1, r)
@@ -138,7 +143,7 @@ class Trainer:
         if self.is_main:
             rl_time = time.time() - t_rl
             if curve[-1][0] != steps:
-                curve.append((steps, evaluate(self.eval_engine, self.env, self.tokenizer, self.eval_tasks, cfg.env.max_new_tokens)))
+                curve.append((steps, evaluate(self.eval_engine, self.env, self.tokenizer, self.eval_tasks, cfg.env)))
             self.summary.update(
                 heldout_reward_rl=curve[-1][1], rl_steps=steps, rl_wall_time_s=rl_time,
                 trainer_wall_time_s=time.time() - t_start, eval_curve=curve, exp_name=cfg.exp_name,
@@ -198,7 +203,7 @@ class Trainer:
         model, tok = models.load_model(base, cfg.model.dtype), models.load_tokenizer(base)
         engine = HFEngine(model, tok.pad_token_id)
         tasks = list(islice(self.env.tasks("eval", 0), cfg.eval.num_tasks))
-        out: Dict = {"heldout_reward_base": evaluate(engine, self.env, tok, tasks, cfg.env.max_new_tokens)}
+        out: Dict = {"heldout_reward_base": evaluate(engine, self.env, tok, tasks, cfg.env)}
         t0 = time.time()
         if cfg.sft.steps > 0:
             def on_step(s: int, loss: float) -> None:
@@ -215,7 +220,7 @@ class Trainer:
             out["sft_steps"] = len(losses)
         else:
             out["sft_steps"] = 0
-        out["heldout_reward_sft"] = evaluate(engine, self.env, tok, tasks, cfg.env.max_new_tokens)
+        out["heldout_reward_sft"] = evaluate(engine, self.env, tok, tasks, cfg.env)
         out["sft_wall_time_s"] = time.time() - t0
         log.info("warm start: held-out reward %.3f -> %.3f after %d SFT steps (%.1fs)", out["heldout_reward_base"],
                  out["heldout_reward_sft"], out["sft_steps"], out["sft_wall_time_s"])
@@ -249,9 +254,11 @@ class Trainer:
             return self.run_failed()
 
         timeout = self.cfg.trainer.rollout_timeout_s
+        # Weights version `step` is the newest there is: a group claiming a newer one is left from before a restart.
         if self.is_main:
-            return self.queue.claim(step, self.cfg.trainer.groups_per_step, step - self.cfg.async_level, timeout, abort=abort)
-        return self.queue.wait_claim(step, timeout, abort=abort)
+            return self.queue.claim(step, self.cfg.trainer.groups_per_step, step - self.cfg.async_level, timeout,
+                                    abort=abort, max_version=step)
+        return self.queue.wait_claim(step, timeout, abort=abort, max_version=step)
 
     def run_failed(self) -> Optional[str]:
         return self.run.failure()
@@ -272,6 +279,11 @@ class Trainer:
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        bad = nonfinite_advantages(batch)  # the same batch on every rank: all ranks skip together
+        if bad is not None:
+            self.bad_steps.skipped(step, bad, nonfinite_groups(batch))
+            return {"loss/total": float("nan"), "grad_norm": float("nan"), "train/skipped": 1.0,
+                    "train/bad_steps": float(self.bad_steps.total), "perf/train_s": time.time() - t0}
         sums: Dict[str, float] = {}
         n_loss_tokens = 0
         plan = plan_micro_batches(lengths, cfg.trainer.micro_batch_tokens)
@@ -324,8 +336,15 @@ class Trainer:
             n_loss_tokens = int(packed[-1])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.trainer.optim.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        self.optimizer.step()
-        self.scheduler.step()
+        # Loss and norm are reduced over ranks, so every rank takes the same decision.
+        bad = nonfinite_update(sums.get("loss/total", 0.0), float(grad_norm))
+        if bad is None:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.bad_steps.applied()
+        else:  # drop the gradients; the weights stay those of version `step`
+            self.optimizer.zero_grad(set_to_none=True)
+            self.bad_steps.skipped(step, bad, nonfinite_groups(batch))
         stats = {"loss/total": sums.get("loss/total", 0.0)}
         for k_, v in sums.items():
             if k_ != "loss/total":
@@ -333,6 +352,8 @@ class Trainer:
         dt = time.time() - t0
         stats.update({
             "grad_norm": float(grad_norm),
+            "train/skipped": float(bad is not None),
+            "train/bad_steps": float(self.bad_steps.total),
             "perf/train_s": dt,
             "perf/tokens_per_s": float(batch.tokens.numel()) / dt,
             "perf/loss_tokens": float(total_tokens),

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 from itertools import islice
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
 from rlhpc.train.batching import pad, token_logprobs
 from rlhpc.config import Config
 from rlhpc.env import Environment
-from rlhpc.infer.rollout import prompt_ids
+from rlhpc.env.episode import Renderer
 from rlhpc.train.optim import make_optimizer
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,37 @@ def validation_reward(model: torch.nn.Module, tokenizer, env: Environment, cfg: 
     from rlhpc.infer.rollout import evaluate
 
     tasks = list(islice(env.tasks("train", seed=cfg.seed + 104729), cfg.sft.validation_tasks))
-    return evaluate(HFEngine(model, tokenizer.pad_token_id), env, tokenizer, tasks, cfg.env.max_new_tokens)
+    return evaluate(HFEngine(model, tokenizer.pad_token_id), env, tokenizer, tasks, cfg.env)
+
+
+def reference_tokens(renderer: Renderer, tokenizer, env: Environment, task) -> Tuple[List[int], List[int]]:
+    """Token ids of a task's reference episode and its loss mask (1 on the assistant's tokens), laid out exactly as
+    an RL episode lays them out (rlhpc.env.episode): each assistant turn ends with the stop token, the environment's
+    replies are rendered by the chat template after it."""
+    history = list(env.messages(task))
+    ids = renderer.prompt(history)
+    mask = [0] * len(ids)
+    ref = env.reference(task)
+    turns = [{"role": "assistant", "content": ref}] if isinstance(ref, str) else list(ref)
+    i = 0
+    while i < len(turns):
+        if turns[i]["role"] != "assistant":
+            raise ValueError(f"environment {env.name}: reference of task {task.id} must alternate assistant turns and "
+                             f"environment replies, starting with an assistant turn")
+        answer = tokenizer(turns[i]["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids += answer
+        mask += [1] * len(answer)
+        history.append(turns[i])
+        j = i + 1
+        while j < len(turns) and turns[j]["role"] != "assistant":
+            j += 1
+        if j > i + 1:
+            reply = renderer.reply(history, True, turns[i + 1:j])
+            ids += reply
+            mask += [0] * len(reply)
+            history += turns[i + 1:j]
+        i = j
+    return ids, mask
 
 
 def sft_train(
@@ -39,16 +69,15 @@ def sft_train(
     sft = cfg.sft
     opt = make_optimizer(model.parameters(), sft.optim)
     tasks = env.tasks("train", seed=cfg.seed + 7919)
-    eos = tokenizer.eos_token_id
+    renderer = Renderer(tokenizer, [t.schema() for t in env.tools()])
     losses = []
     model.train()
     for step in range(sft.steps):
         seqs, masks = [], []
         for task in islice(tasks, sft.batch_size):
-            p = prompt_ids(tokenizer, env, task)
-            a = tokenizer(env.reference(task), add_special_tokens=False)["input_ids"] + [eos]
-            seqs.append(torch.tensor(p + a))
-            masks.append(torch.tensor([0] * len(p) + [1] * len(a), dtype=torch.bool))
+            ids, mask = reference_tokens(renderer, tokenizer, env, task)
+            seqs.append(torch.tensor(ids))
+            masks.append(torch.tensor(mask, dtype=torch.bool))
         ids, attn = pad(seqs, tokenizer.pad_token_id)
         target_mask, _ = pad(masks, 0)
         logp, _ = token_logprobs(model, ids, attn, chunk_tokens=cfg.trainer.logprob_chunk_tokens)

@@ -3,30 +3,35 @@
     queue/pending/<producer>-<seq>.safetensors   published by inference workers (write to a temp name, fsync, rename)
     queue/steps/<step>/                          files claimed by trainer step <step>, plus manifest.json once complete
     queue/retired/<step>/                        trained steps, when `queue.keep_retired` (otherwise deleted)
-    queue/dropped/                               files too stale to train on (counted, kept for inspection)
-    queue/quarantine/                            unreadable files, each with a .reason file beside it
-    queue/inflight/<producer>                    a batch a worker is generating now (counted by back-pressure)
+    queue/dropped/                               files too stale to train on (counted; the newest `queue.keep_dropped`)
+    queue/quarantine/                            invalid files, each with a .reason file beside it (counted; the newest
+                                                 `queue.keep_quarantined`)
+    queue/inflight/<producer>@<expiry ms>        a batch a worker is generating now: a lease its thread renews, counted
+                                                 by back-pressure until it expires (`queue.lease_s`)
     queue/progress.json                          {claimed: steps claimed so far, version: newest weights version}
-    queue/ledger.jsonl                           one line per trained step: the group uids it trained on
+    queue/counts.json                            totals over the run: dropped files and groups, quarantined files
+    queue/ledger.jsonl                           one line per trained (or skipped) step: the group uids it consumed
 
 A file is a safetensors blob: the samples of many groups packed flat (token ids, inference logprobs, loss mask) with
 offsets, per-sample advantages and rewards, and the groups' metadata as JSON in the header. A claim is durable: after
-a crash, resuming step k trains on exactly the files in steps/k.
+a crash, resuming step k trains on exactly the files in steps/k (validated again: what fails goes to quarantine/).
+No file can stop the run: whatever its bytes, it is trained on, dropped, or quarantined with the reason.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -95,20 +100,25 @@ class RolloutBatch:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "RolloutBatch":
-        """Parses and checks a queue file; raises ValueError with the reason if it is not a valid one."""
+        """Parses and checks a queue file; raises ValueError with the reason if it is not a valid one: unreadable
+        bytes, missing or malformed metadata, a tensor of the wrong dtype or shape, sizes that do not add up, zero
+        groups, non-finite values, negative token ids. A file that passes cannot crash or poison the trainer (except
+        by token ids beyond the model's vocabulary, which the trainer's queue checks with `vocab_size`)."""
         try:
-            tensors = st_load(data)
             meta = json.loads(_header_metadata(data)["rlhpc"])
-        except (SafetensorError, KeyError, ValueError, json.JSONDecodeError, OSError) as e:
-            raise ValueError(f"not a readable rollout file: {e}") from e
-        need = ("tokens", "offsets", "logprobs", "loss_mask", "advantages", "group_of")
-        missing = [k for k in need if k not in tensors]
-        if missing:
-            raise ValueError(f"missing tensors {missing}")
-        groups = [Group(**g) for g in meta["groups"]]
+            tensors = st_load(data)
+        except Exception as e:  # noqa: BLE001 - whatever the bytes make the parsers raise, the file is unreadable
+            raise ValueError(f"not a readable rollout file: {type(e).__name__}: {e}") from None
+        for name, dtype in _DTYPES.items():
+            t = tensors.get(name)
+            if t is None:
+                raise ValueError(f"missing tensor {name!r}")
+            if t.dtype != dtype or t.dim() != 1:
+                raise ValueError(f"tensor {name!r} is {t.dtype} {list(t.shape)}, not a 1-d {dtype}")
+        groups = _groups(meta)
         b = cls(
             tokens=tensors["tokens"].long(),
-            offsets=tensors["offsets"].long(),
+            offsets=tensors["offsets"],
             logprobs=tensors["logprobs"],
             loss_mask=tensors["loss_mask"].bool(),
             advantages=tensors["advantages"],
@@ -117,18 +127,27 @@ class RolloutBatch:
         )
         s, t = b.num_samples, b.tokens.numel()
         if not (
-            s >= 0
-            and b.offsets[0] == 0
-            and b.offsets[-1] == t
-            and bool((b.lengths >= 0).all())
+            s >= 1
+            and int(b.offsets[0]) == 0
+            and int(b.offsets[-1]) == t
+            and bool((b.lengths >= 1).all())
             and b.logprobs.numel() == t
             and b.loss_mask.numel() == t
             and b.advantages.numel() == s
             and b.group_of.numel() == s
-            and (s == 0 or int(b.group_of.max()) < len(groups))
-            and sum(g.num_samples for g in groups) == s
         ):
             raise ValueError("inconsistent tensor sizes")
+        if int(b.group_of.min()) < 0 or int(b.group_of.max()) >= len(groups) or \
+                torch.bincount(b.group_of, minlength=len(groups)).tolist() != [g.num_samples for g in groups]:
+            raise ValueError("samples do not match the groups' num_samples")
+        if t and int(b.tokens.min()) < 0:
+            raise ValueError("negative token ids")
+        if not bool(torch.isfinite(b.advantages).all()):
+            raise ValueError("non-finite advantages")
+        if not bool(torch.isfinite(b.logprobs).all()):
+            raise ValueError("non-finite logprobs")
+        if t and int(tensors["loss_mask"].max()) > 1:
+            raise ValueError("loss_mask values other than 0 and 1")
         return b
 
     @classmethod
@@ -158,7 +177,64 @@ def _header_metadata(data: bytes) -> Dict[str, str]:
     n = int.from_bytes(data[:8], "little")
     if n <= 0 or n > len(data) - 8:
         raise ValueError("bad safetensors header length")
-    return json.loads(data[8 : 8 + n]).get("__metadata__", {})
+    header = json.loads(data[8 : 8 + n])
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__", {}), dict):
+        raise ValueError("bad safetensors header")
+    return header.get("__metadata__", {})
+
+
+# The tensors of a queue file and their dtypes on disk (RolloutBatch.to_bytes).
+_DTYPES = {"tokens": torch.int32, "offsets": torch.int64, "logprobs": torch.float32, "loss_mask": torch.uint8,
+           "advantages": torch.float32, "group_of": torch.int32}
+
+
+def _groups(meta: Any) -> List[Group]:
+    """The groups of a file's metadata, checked field by field (raises ValueError naming what is wrong)."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("groups"), list):
+        raise ValueError("metadata has no list of groups")
+    if not meta["groups"]:
+        raise ValueError("the file holds zero groups")
+    groups, uids = [], set()
+    for i, g in enumerate(meta["groups"]):
+        def bad(what: str) -> ValueError:
+            return ValueError(f"group {i}: {what}")
+
+        if not isinstance(g, dict):
+            raise bad("not an object")
+        unknown = set(g) - _GROUP_FIELDS
+        missing = {"uid", "env", "task_id", "version", "num_samples", "rewards", "truncated"} - set(g)
+        if unknown or missing:
+            raise bad(f"unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
+        n = g["num_samples"]
+        if not (isinstance(g["uid"], str) and g["uid"]) or g["uid"] in uids:
+            raise bad(f"uid {g['uid']!r} is not a new non-empty string")
+        if not isinstance(g["env"], str) or not isinstance(g["task_id"], (str, int)):
+            raise bad("env or task_id of the wrong type")
+        if not _is_int(n) or n < 1:
+            raise bad(f"num_samples {n!r} is not a positive integer")
+        if not _is_int(g["version"]) or g["version"] < 0:
+            raise bad(f"version {g['version']!r} is not an integer >= 0")
+        mv = g.get("min_version")
+        if mv is not None and not (_is_int(mv) and 0 <= mv <= g["version"]):
+            raise bad(f"min_version {mv!r} is not an integer in [0, version]")
+        rewards, truncated = g["rewards"], g["truncated"]
+        if not (isinstance(rewards, list) and len(rewards) == n
+                and all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) for r in rewards)):
+            raise bad("rewards are not num_samples finite numbers")
+        if not (isinstance(truncated, list) and len(truncated) == n and all(isinstance(t, bool) for t in truncated)):
+            raise bad("truncated is not num_samples booleans")
+        if not isinstance(g.get("extra", {}), dict):
+            raise bad("extra is not an object")
+        uids.add(g["uid"])
+        groups.append(Group(**g))
+    return groups
+
+
+_GROUP_FIELDS = {f.name for f in fields(Group)}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass
@@ -175,7 +251,15 @@ class Claim:
 
 
 class Queue:
-    def __init__(self, root: Path):
+    """The queue folder of a run. Inference workers publish files and announce batches in flight; trainer rank 0 is
+    the one that claims, drops, quarantines, prunes and retires; other trainer ranks only read what rank 0 claimed.
+
+    `lease_s`: how long an in-flight announcement lives without renewal; `keep_dropped`, `keep_quarantined`: how
+    many files dropped/ and quarantine/ keep (the newest; totals are counted in counts.json); `vocab_size`: token ids
+    must be below it (the trainer sets its model's)."""
+
+    def __init__(self, root: Path, lease_s: float = 60.0, keep_dropped: int = 100, keep_quarantined: int = 100,
+                 vocab_size: Optional[int] = None):
         self.root = Path(root)
         self.pending = self.root / "pending"
         self.steps = self.root / "steps"
@@ -185,6 +269,16 @@ class Queue:
         self.inflight = self.root / "inflight"
         for p in (self.pending, self.steps, self.retired, self.dropped, self.quarantine, self.inflight):
             p.mkdir(parents=True, exist_ok=True)
+        self.lease_s = lease_s
+        self.vocab_size = vocab_size
+        self._keep = {self.dropped: keep_dropped, self.quarantine: keep_quarantined}
+        # Additions since the last pruning of each folder; large, so the first addition prunes what a previous
+        # process left.
+        self._since_prune = {self.dropped: 1 << 30, self.quarantine: 1 << 30}
+        self._lease: Optional[_Lease] = None
+        self._totals: Optional[Dict[str, int]] = None
+        # Files that could be neither read nor moved aside (e.g. no permission): skipped, not retried every poll.
+        self._unmovable: set = set()
 
     # ---- producers -------------------------------------------------------------------------------------------------
 
@@ -196,21 +290,54 @@ class Queue:
         return path
 
     def begin_batch(self, producer: str) -> None:
-        """Announces a batch being generated, so other producers count it before it is published."""
-        (self.inflight / producer).touch()
+        """Announces a batch being generated, so other producers count it before it is published: a lease,
+        inflight/<producer>@<expiry ms>, that a thread renews every lease_s/3 until `end_batch`. The marker of a
+        producer that died stops counting when it expires."""
+        self.end_batch(producer)
+        self._lease = _Lease(self.inflight, producer, self.lease_s)
 
     def end_batch(self, producer: str) -> None:
-        (self.inflight / producer).unlink(missing_ok=True)
+        if self._lease is not None:
+            self._lease.end()
+            self._lease = None
 
     def inflight_batches(self, exclude: str = "") -> int:
-        return sum(1 for p in self.inflight.iterdir() if p.name != exclude)
+        """Batches other producers are generating now: unexpired leases, read from names alone (one listing, no stat
+        per marker). Leases expired for longer than lease_s belong to dead producers and are removed."""
+        now, n = time.time(), 0
+        with os.scandir(self.inflight) as it:
+            for e in it:
+                producer, _, expiry = e.name.rpartition("@")
+                try:
+                    expires = int(expiry) / 1000
+                except ValueError:
+                    continue  # not a lease
+                if expires > now:
+                    n += producer != exclude
+                elif now - expires > self.lease_s:
+                    _unlink(Path(e.path))
+        return n
+
+    def pending_count(self) -> int:
+        """Files waiting to be claimed, counted from their names (no stat per file: cheap enough for every worker)."""
+        with os.scandir(self.pending) as it:
+            return sum(1 for e in it if e.name.endswith(SUFFIX) and not e.name.startswith("."))
 
     def pending_files(self) -> List[Path]:
-        """Pending files, oldest first. The folder holds only what is not yet claimed, so this stays small."""
+        """Pending files, oldest first. The folder holds only what is not yet claimed, so this stays small. Temporary
+        files of producers that died while writing are removed once older than 10 leases."""
         entries = []
+        now = time.time()
         with os.scandir(self.pending) as it:
             for e in it:
-                if e.name.endswith(SUFFIX) and not e.name.startswith("."):
+                if e.name.startswith(".tmp-"):
+                    try:
+                        if now - e.stat().st_mtime > 10 * self.lease_s:
+                            _unlink(Path(e.path))
+                            self._count(abandoned_temp_files=1)
+                    except FileNotFoundError:
+                        pass
+                elif e.name.endswith(SUFFIX) and not e.name.startswith(".") and e.name not in self._unmovable:
                     try:
                         entries.append((e.stat().st_mtime_ns, e.name))
                     except FileNotFoundError:
@@ -218,7 +345,10 @@ class Queue:
         return [self.pending / name for _, name in sorted(entries)]
 
     def progress(self) -> Dict[str, int]:
-        return read_json(self.root / "progress.json", default=None) or {"claimed": 0, "version": 0}
+        try:
+            return read_json(self.root / "progress.json", default=None) or {"claimed": 0, "version": 0}
+        except ValueError:  # written atomically, so only a foreign hand garbles it; the trainer rewrites it each step
+            return {"claimed": 0, "version": 0}
 
     # ---- the trainer -----------------------------------------------------------------------------------------------
 
@@ -235,42 +365,55 @@ class Queue:
         min_version: int,
         timeout_s: float,
         abort: Optional[Callable[[], Optional[str]]] = None,
-        poll_s: float = 0.02,
+        poll_s: float = 0.01,
+        max_version: Optional[int] = None,
+        max_poll_s: float = 0.2,
     ) -> Claim:
         """Claims at least `num_groups` groups of version >= `min_version` for `step`, or the ones claimed before.
 
-        Files too old are moved to dropped/ and counted; unreadable ones to quarantine/ with the reason. Raises
-        TimeoutError (naming the step) if not enough groups arrive within `timeout_s`.
+        Files too old are moved to dropped/ and counted; invalid ones (RolloutBatch.from_bytes, token ids of
+        `vocab_size` or more, a version above `max_version`: the trainer's own weights version) to quarantine/ with
+        the reason. Files claimed before a restart are validated again; if none of them passes, the step claims
+        afresh under a new revision of its manifest (which the other ranks wait for). Waiting backs off from
+        `poll_s` to `max_poll_s`. Raises TimeoutError (naming the step) if not enough groups arrive within
+        `timeout_s`.
         """
         t0 = time.monotonic()
         sdir = self.step_dir(step)
         manifest = sdir / "manifest.json"
-        if manifest.exists():  # claimed before a restart: the same files, none lost, none twice
-            info = read_json(manifest)
-            batches = [self._load(sdir / name) for name in info["files"]]
-            return Claim(step, RolloutBatch.concat(batches), info["files"], info["dropped_groups"], 0, 0.0)
+        info = self._manifest(step)
+        revision, claimed_before = 0, set()
+        if info is not None:  # claimed before a restart: the same files, none lost, none twice
+            batches, files, bad = self._load_claimed(step, info, max_version, quarantine=True)
+            if batches:
+                return Claim(step, RolloutBatch.concat(batches), files, info["dropped_groups"], bad, 0.0)
+            revision, claimed_before = info.get("revision", 0) + 1, set(info["files"])
+            log.warning("step %d: no file of its claim is valid any more; claiming afresh (revision %d)", step, revision)
 
         sdir.mkdir(parents=True, exist_ok=True)
         # A claim interrupted before its manifest keeps what it had already moved in.
         batches, files = [], []
+        dropped = quarantined = 0
         for p in sorted(sdir.glob(f"*{SUFFIX}")):
-            b, _ = self._read_or_quarantine(p)
+            if p.name in claimed_before:
+                continue
+            b, bad = self._read_or_quarantine(p, max_version)
+            quarantined += bad
             if b is not None:
                 batches.append(b)
                 files.append(p.name)
         have = sum(len(b.groups) for b in batches)
-        dropped = quarantined = 0
         deadline = t0 + timeout_s
+        delay = poll_s
         while have < num_groups:
             progressed = False
             for path in self.pending_files():
-                b, bad = self._read_or_quarantine(path)
+                b, bad = self._read_or_quarantine(path, max_version)
                 quarantined += bad
                 if b is None:
                     continue
                 if min(g.min_version if g.min_version is not None else g.version for g in b.groups) < min_version:
-                    dropped += len(b.groups)
-                    _move(path, self.dropped / path.name)
+                    dropped += self._drop(path, len(b.groups))
                     log.info("dropped %s: generated by version < %d (async_level)", path.name, min_version)
                     continue
                 try:
@@ -285,36 +428,53 @@ class Queue:
                     break
             if have >= num_groups:
                 break
-            if not progressed:
-                if abort is not None:
-                    reason = abort()
-                    if reason:
-                        raise RuntimeError(f"stopped waiting for rollouts of step {step}: {reason}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"step {step}: only {have}/{num_groups} rollout groups of version >= {min_version} arrived "
-                        f"within trainer.rollout_timeout_s={timeout_s:.0f}s; are the inference workers alive? "
-                        f"(see logs/inference-*.log)"
-                    )
-                time.sleep(poll_s)
+            if progressed:
+                delay = poll_s
+                continue
+            if abort is not None:
+                reason = abort()
+                if reason:
+                    raise RuntimeError(f"stopped waiting for rollouts of step {step}: {reason}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"step {step}: only {have}/{num_groups} rollout groups of version >= {min_version} arrived "
+                    f"within trainer.rollout_timeout_s={timeout_s:.0f}s; are the inference workers alive? "
+                    f"(see logs/inference-*.log)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, max_poll_s)
         fsync_dir(sdir)  # the moves are durable before the manifest that names them
-        write_json(manifest, {"step": step, "files": files, "dropped_groups": dropped, "min_version": min_version})
+        write_json(manifest, {"step": step, "files": files, "dropped_groups": dropped, "min_version": min_version,
+                              "revision": revision})
         return Claim(step, RolloutBatch.concat(batches), files, dropped, quarantined, time.monotonic() - t0)
 
-    def wait_claim(self, step: int, timeout_s: float, abort: Optional[Callable[[], Optional[str]]] = None) -> Claim:
-        """For trainer ranks other than 0: waits for rank 0's manifest of `step` and loads the same files."""
+    def wait_claim(self, step: int, timeout_s: float, abort: Optional[Callable[[], Optional[str]]] = None,
+                   max_version: Optional[int] = None) -> Claim:
+        """For trainer ranks other than 0: waits for rank 0's manifest of `step` and loads the same files, skipping
+        the ones that fail the same validation (rank 0 quarantines them), so every rank trains on the same groups."""
         from rlhpc.rundir import wait_for
 
         manifest = self.step_dir(step) / "manifest.json"
-        wait_for(manifest.exists, timeout_s, f"the claim of step {step} ({manifest})", abort=abort)
-        info = read_json(manifest)
-        batches = [self._load(self.step_dir(step) / n) for n in info["files"]]
-        return Claim(step, RolloutBatch.concat(batches), info["files"], info["dropped_groups"], 0, 0.0)
+        revision = 0
+        while True:
+            def ready() -> Optional[Dict[str, Any]]:
+                info = self._manifest(step)
+                return info if info is not None and info.get("revision", 0) >= revision else None
 
-    def record(self, step: int, claim: Claim) -> None:
-        """Appends the uids a step trained on to the ledger (how 'exactly once' is checked)."""
-        assert claim.batch is not None
-        line = json.dumps({"step": step, "groups": [g.uid for g in claim.batch.groups]})
+            info = wait_for(ready, timeout_s, f"the claim of step {step} ({manifest})", abort=abort)
+            batches, files, _ = self._load_claimed(step, info, max_version, quarantine=False)
+            if batches:
+                return Claim(step, RolloutBatch.concat(batches), files, info["dropped_groups"], 0, 0.0)
+            revision = info.get("revision", 0) + 1  # none valid: rank 0 claims afresh
+
+    def record(self, step: int, claim: Claim, skipped: Optional[str] = None) -> None:
+        """Appends the uids a step trained on to the ledger (how 'exactly once' is checked). A step whose update was
+        skipped (non-finite values; rlhpc/train/guard.py) is recorded once too, with the reason: its groups are
+        consumed, never trained again."""
+        entry: Dict[str, Any] = {"step": step, "groups": [g.uid for g in claim.batch.groups] if claim.batch else []}
+        if skipped is not None:
+            entry["skipped"] = skipped
+        line = json.dumps(entry)
         with open(self.root / "ledger.jsonl", "a") as f:
             f.write(line + "\n")
             f.flush()
@@ -342,36 +502,181 @@ class Queue:
                 shutil.rmtree(d, ignore_errors=True)
 
     def counts(self) -> Dict[str, int]:
+        """Pending files now, and totals over the run of dropped and quarantined files (counts.json: dropped/ and
+        quarantine/ keep only the newest files, so they are not counted by listing)."""
+        totals = self.totals()
         return {
-            "pending_files": len(self.pending_files()),
-            "dropped_files": sum(1 for _ in self.dropped.glob(f"*{SUFFIX}")),
-            "quarantined_files": sum(1 for _ in self.quarantine.glob(f"*{SUFFIX}")),
+            "pending_files": self.pending_count(),
+            "dropped_files": totals.get("dropped_files", 0),
+            "quarantined_files": totals.get("quarantined_files", 0),
         }
 
-    # ---- reading ---------------------------------------------------------------------------------------------------
+    def totals(self) -> Dict[str, int]:
+        if self._totals is None:
+            try:
+                self._totals = dict(read_json(self.root / "counts.json", default=None) or {})
+            except ValueError:
+                self._totals = {}
+        return self._totals
+
+    # ---- reading, dropping, quarantining --------------------------------------------------------------------------
+
+    def _manifest(self, step: int) -> Optional[Dict[str, Any]]:
+        try:
+            info = read_json(self.step_dir(step) / "manifest.json")
+        except ValueError:
+            return None  # written atomically: a garbled one is foreign, and the step is claimed anew
+        return info if isinstance(info, dict) and isinstance(info.get("files"), list) else None
+
+    def _load_claimed(self, step: int, info: Dict[str, Any], max_version: Optional[int], quarantine: bool):
+        """The valid files of a manifest: (batches, names, how many were quarantined). Only rank 0 quarantines, and
+        it links rather than moves, so the other ranks read the same bytes and reach the same verdicts."""
+        batches, files, bad = [], [], 0
+        for name in info["files"]:
+            path = self.step_dir(step) / name
+            if quarantine:
+                b, q = self._read_or_quarantine(path, max_version, keep_original=True)
+                bad += q
+            else:
+                b, _ = self._read(path, max_version)
+            if b is not None:
+                batches.append(b)
+                files.append(name)
+        return batches, files, bad
 
     def _load(self, path: Path) -> RolloutBatch:
         return RolloutBatch.from_bytes(path.read_bytes())
 
-    def _read_or_quarantine(self, path: Path) -> tuple[Optional[RolloutBatch], bool]:
-        """(batch, False) for a good file; (None, True) if it was quarantined; (None, False) if it vanished."""
+    def _read(self, path: Path, max_version: Optional[int] = None) -> Tuple[Optional[RolloutBatch], Optional[str]]:
+        """(batch, None) for a valid file, (None, reason) for an invalid one, (None, None) if it vanished. Never
+        raises: whatever is in the file, the run goes on."""
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            return None, False
+            return None, None
+        except OSError as e:
+            return None, f"unreadable: {e}"
         try:
-            return RolloutBatch.from_bytes(data), False
+            b = RolloutBatch.from_bytes(data)
         except ValueError as e:
-            target = self.quarantine / path.name
-            try:
+            return None, str(e)
+        except Exception as e:  # noqa: BLE001 - a check that did not foresee these bytes; still not fatal
+            return None, f"{type(e).__name__}: {e}"
+        newest = max(g.version for g in b.groups)
+        if max_version is not None and newest > max_version:
+            return None, (f"version {newest} is from the future: the trainer's weights are version {max_version} "
+                          f"(a file from before a restart from an older checkpoint?)")
+        if self.vocab_size is not None and b.tokens.numel() and int(b.tokens.max()) >= self.vocab_size:
+            return None, f"token id {int(b.tokens.max())} is beyond the model's vocabulary ({self.vocab_size})"
+        return b, None
+
+    def _read_or_quarantine(self, path: Path, max_version: Optional[int] = None,
+                            keep_original: bool = False) -> Tuple[Optional[RolloutBatch], bool]:
+        """(batch, False) for a good file; (None, True) if it was quarantined; (None, False) if it vanished."""
+        b, reason = self._read(path, max_version)
+        if reason is None:
+            return b, False
+        return None, self._quarantine(path, reason, keep_original)
+
+    def _quarantine(self, path: Path, reason: str, keep_original: bool = False) -> bool:
+        """Moves (or links) `path` to quarantine/ with a .reason file beside it; counts and logs it."""
+        target = self.quarantine / path.name
+        if target.exists():
+            target = self.quarantine / f"{path.name[: -len(SUFFIX)]}-{time.time_ns()}{SUFFIX}"
+        try:
+            if keep_original:
+                os.link(path, target)
+            else:
                 _move(path, target)
-            except FileNotFoundError:
-                return None, False
-            atomic_write(target.with_name(target.name + ".reason"), f"{e}\n".encode())
-            log.warning("quarantined unreadable queue file %s: %s", path.name, e)
-            return None, True
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            if keep_original:  # no hard links on this filesystem: the reason file alone records it
+                target.touch()
+            else:
+                log.error("cannot move invalid queue file %s aside (%s): skipping it from now on", path, e)
+                self._unmovable.add(path.name)
+        atomic_write(target.with_name(target.name + ".reason"), f"{reason}\n".encode(), durable=False)
+        log.warning("quarantined queue file %s: %s", path.name, reason)
+        self._count(quarantined_files=1)
+        self._prune(self.quarantine)
+        return True
+
+    def _drop(self, path: Path, groups: int) -> int:
+        """Moves a file too stale to train on to dropped/; returns the groups dropped (0 if it vanished)."""
+        try:
+            _move(path, self.dropped / path.name)
+        except FileNotFoundError:
+            return 0
+        self._count(dropped_files=1, dropped_groups=groups)
+        self._prune(self.dropped)
+        return groups
+
+    def _count(self, **added: int) -> None:
+        totals = self.totals()
+        for k, n in added.items():
+            totals[k] = totals.get(k, 0) + n
+        write_json(self.root / "counts.json", totals, durable=False)
+
+    def _prune(self, folder: Path) -> None:
+        """Keeps the newest `keep` files of dropped/ or quarantine/ (a .reason file goes with its file). It lists the
+        folder once every keep/4 additions, so the folder and the cost per addition stay bounded over a long run."""
+        keep = self._keep[folder]
+        self._since_prune[folder] += 1
+        if self._since_prune[folder] < max(1, keep // 4):
+            return
+        self._since_prune[folder] = 0
+        entries = []
+        with os.scandir(folder) as it:
+            for e in it:
+                if e.name.endswith(SUFFIX) and not e.name.startswith("."):
+                    try:
+                        entries.append((e.stat().st_mtime_ns, e.name))
+                    except FileNotFoundError:
+                        continue
+        entries.sort()
+        for _, name in entries[: max(0, len(entries) - keep)]:
+            _unlink(folder / name)
+            _unlink(folder / (name + ".reason"))
+
+
+class _Lease:
+    """An in-flight marker whose name carries its expiry (so readers need no stat); a daemon thread renames it
+    forward every lease_s / 3 until `end`."""
+
+    def __init__(self, folder: Path, producer: str, lease_s: float):
+        self.folder, self.producer, self.lease_s = folder, producer, lease_s
+        self.path = self._next()
+        self.path.touch()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="queue-lease", daemon=True)
+        self._thread.start()
+
+    def _next(self) -> Path:
+        return self.folder / f"{self.producer}@{int((time.time() + self.lease_s) * 1000)}"
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            new = self._next()
+            try:
+                os.replace(self.path, new)
+            except FileNotFoundError:  # removed by a reader that took us for dead (a long pause, clock skew)
+                new.touch()
+            self.path = new
+
+    def end(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        _unlink(self.path)
 
 
 def _move(src: Path, dst: Path) -> None:
     os.replace(src, dst)
     fsync_dir(dst.parent)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

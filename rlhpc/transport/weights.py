@@ -26,7 +26,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,11 @@ class WeightsReceiver(ABC):
         """True once the sender said it will send nothing more."""
         return False
 
+    def wait(self, timeout_s: float) -> float:
+        """Waits up to `timeout_s`, less if this receiver knows an update arrived; returns the seconds waited."""
+        time.sleep(timeout_s)
+        return timeout_s
+
     def close(self) -> None:
         pass
 
@@ -77,7 +82,12 @@ def snapshot_dir(run: RunDir, version: int) -> Path:
 
 
 def write_snapshot(run: RunDir, version: int, tensors: NamedTensors, keep: int = 2) -> Path:
-    """Writes `weights/v<version>/model.safetensors` then a READY marker; keeps the newest `keep` snapshots."""
+    """Writes `weights/v<version>/model.safetensors` then a READY marker; keeps the newest `keep` snapshots. Snapshots
+    of later versions are removed first: they are left from before a resume from an older checkpoint, and the newest
+    snapshot must be the current weights (restarted and late workers start from it)."""
+    for stale in run.weights.glob("v*"):
+        if stale.name[1:].isdigit() and int(stale.name[1:]) > version:
+            shutil.rmtree(stale, ignore_errors=True)
     d = snapshot_dir(run, version)
     tmp = run.weights / f".tmp-v{version:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -208,21 +218,30 @@ class BroadcastSender(WeightsSender):
         log.info("weights group of %d formed (%s)", self.size, self.backend)
 
     def _admit(self, timeout_s: float) -> None:
-        """Waits for every receiver to present the token; refuses (and keeps waiting for) any that does not."""
+        """Waits for every receiver to present the token; refuses (and keeps waiting for) any that does not.
+
+        A candidate for group rank r claims the key join/<r> (compare-and-set: the first claim holds until read, so
+        nobody overwrites another's) with "<nonce>:<token>"; this reads it, frees the key and answers at
+        verdict/<r>/<nonce>: ok, refused (wrong token, or bytes that are no token) or taken (r has its member). A
+        client that connects and says nothing, or says garbage, costs nothing here: only claimed keys are read."""
         deadline = time.monotonic() + timeout_s
         waiting = set(range(1, self.size))
+        keys = [f"join/{rank}" for rank in range(1, self.size)]
         while waiting:
-            for rank in sorted(waiting):
-                key = f"join/{rank}"
-                if self.store.check([key]):
-                    presented = self.store.get(key).decode()
-                    self.store.delete_key(key)
-                    ok = secrets.compare_digest(presented, self.token)
-                    self.store.set(f"verdict/{rank}/{presented[:8]}", "ok" if ok else "refused")
-                    if ok:
-                        waiting.discard(rank)
-                    else:
-                        log.warning("weights group: refused a member at rank %d (wrong token)", rank)
+            for rank, key in enumerate(keys, start=1):
+                if not self.store.check([key]):
+                    continue
+                raw = self.store.get(key)
+                self.store.delete_key(key)
+                nonce, _, presented = raw.decode("utf-8", "replace").partition(":")
+                ok = secrets.compare_digest(presented.encode(), self.token.encode())
+                verdict = "taken" if ok and rank not in waiting else "ok" if ok else "refused"
+                self.store.set(f"verdict/{rank}/{nonce[:64]}", verdict)
+                if verdict == "ok":
+                    waiting.discard(rank)
+                else:
+                    log.warning("weights group: refused a candidate for rank %d (%s)", rank,
+                                "rank already taken" if ok else "wrong token")
             if waiting and time.monotonic() > deadline:
                 raise TimeoutError(
                     f"weights group: inference ranks {sorted(waiting)} did not join within weights.timeout_s="
@@ -285,15 +304,27 @@ class BroadcastReceiver(WeightsReceiver):
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(info["host"], info["port"], info["world_size"], False, timeout=timeout)
         token = info["token"] if token is None else token
-        self.store.set(f"join/{rank}", token)
-        verdict_key = f"verdict/{rank}/{token[:8]}"
+        # Claim join/<rank> (compare-and-set: another candidate's claim is never overwritten; wait for it to be read).
+        nonce = secrets.token_hex(8)
+        claim, deadline = f"{nonce}:{token}", time.monotonic() + timeout_s
+        while self.store.compare_set(f"join/{rank}", "", claim).decode("utf-8", "replace") != claim:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weights group: join/{rank} stayed claimed by another candidate for "
+                                   f"weights.timeout_s={timeout_s:.0f}s")
+            time.sleep(0.05)
+        verdict_key = f"verdict/{rank}/{nonce}"
         self.store.wait([verdict_key], timeout)
-        if self.store.get(verdict_key).decode() != "ok":
+        verdict = self.store.get(verdict_key).decode()
+        if verdict == "taken":
+            raise PermissionError(f"weights group refused this worker: rank {rank} already has its member (two workers "
+                                  f"with the same rank?)")
+        if verdict != "ok":
             raise PermissionError("weights group refused this worker: wrong token (stale rendezvous/weights.json?)")
         self.group = _make_group(dist.PrefixStore(f"rlhpc/{token}", self.store), rank, info["world_size"], self.backend, timeout)
         self._lock = threading.Lock()
         self._latest: Optional[Update] = None
         self._closed = False
+        self._arrived = threading.Event()  # set while an update (or the end) waits for `poll`
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="weights-receiver", daemon=True)
         self._thread.start()
@@ -327,17 +358,26 @@ class BroadcastReceiver(WeightsReceiver):
                         tensors.append((name, part.view(shape)))
                 with self._lock:
                     self._latest = Update(version, tensors)
+                    self._arrived.set()
         except BaseException as e:  # noqa: BLE001 - reported to the worker loop through `error`
             self.error = e
         finally:
             self._closed = True
+            self._arrived.set()
 
     def poll(self) -> Optional[Update]:
         if self.error is not None:
             raise RuntimeError(f"weights group failed: {self.error}") from self.error
         with self._lock:
             update, self._latest = self._latest, None
+            if not self._closed:
+                self._arrived.clear()
         return update
+
+    def wait(self, timeout_s: float) -> float:
+        t0 = time.monotonic()
+        self._arrived.wait(timeout_s)
+        return time.monotonic() - t0
 
     def closed(self) -> bool:
         return self._closed and self._latest is None

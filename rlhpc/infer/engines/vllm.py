@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
