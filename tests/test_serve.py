@@ -1,0 +1,304 @@
+"""Serving the policy over HTTP (rlhpc.infer.server): OpenAI-compatible endpoints and the token endpoint, over the same
+engine object the worker uses, with the run's token, batching, and the weights version on every answer."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from rlhpc import models
+from rlhpc.config import ModelConfig
+from rlhpc.env.episode import Renderer
+from rlhpc.infer.batcher import SharedEngine
+from rlhpc.infer.engines import Completion, Engine
+from rlhpc.infer.engines.hf import HFEngine
+from rlhpc.infer.server import VERSION_HEADER, Server, context_length
+
+TOKEN = "test-token"
+MESSAGES = [{"role": "user", "content": "Reverse: hello"}]
+
+
+class CountingEngine(Engine):
+    """The HF engine, counting its generate calls and checking that no two overlap."""
+
+    def __init__(self, inner: HFEngine):
+        self.inner, self.calls, self.active, self.max_active = inner, 0, 0, 0
+        self._lock = threading.Lock()
+
+    def generate(self, *args, **kwargs):
+        with self._lock:
+            self.calls += 1
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        try:
+            return self.inner.generate(*args, **kwargs)
+        finally:
+            with self._lock:
+                self.active -= 1
+
+    def update_weights(self, named_tensors):
+        self.inner.update_weights(named_tensors)
+
+    def score(self, sequences, temperature):
+        return self.inner.score(sequences, temperature)
+
+
+class Scripted(Engine):
+    """Answers every prompt with the tokens of a fixed text followed by eos (logprob -0.5 per token)."""
+
+    def __init__(self, tokenizer, text: str):
+        self.ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+    def generate(self, prompts, n, temperature, max_new_tokens, stop_token_ids, greedy=False):
+        ids = self.ids[:max_new_tokens]
+        return [[Completion(list(ids), [-0.5] * len(ids), "stop" if ids[-1] in stop_token_ids else "length")
+                 for _ in range(n)] for _ in prompts]
+
+    def update_weights(self, named_tensors):
+        pass
+
+    def score(self, sequences, temperature):
+        raise NotImplementedError
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return models.build(ModelConfig(), tmp_path_factory.mktemp("serve") / "model")
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return models.load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, tok):
+    engine = CountingEngine(HFEngine.from_pretrained(str(model_dir), seed=1))
+    server = Server(engine, tok, "tiny", context_length(model_dir), TOKEN, aliases=[str(model_dir)]).start()
+    yield server, engine
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with httpx.Client(base_url=served[0].url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as c:
+        yield c
+
+
+def test_requests_without_the_run_token_are_refused(served):
+    url = served[0].url
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+                         ("POST", "/inference/v1/generate")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.request(method, url + path, json={"model": "tiny", "prompt": "x"}, headers=headers)
+            assert r.status_code == 401, (path, r.text)
+            assert "token" in r.json()["error"]["message"]
+    assert httpx.get(url + "/health").status_code == 200  # liveness needs no token
+
+
+@pytest.mark.parametrize("path, body, status, says", [
+    ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/chat/completions", {"model": "gpt-9", "messages": MESSAGES}, 404, "does not exist"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x" * 400}]}, 400, "context"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "n": 1000}, 400, "`n`"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 10_000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "top_p": 0.9}, 400, "top_p"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("/v1/completions", {"model": "tiny", "prompt": 17}, 400, "prompt"),
+    ("/inference/v1/generate", {"token_ids": [1, 2, 10 ** 9], "sampling_params": {}}, 400, "token ids"),
+    ("/inference/v1/generate", {"token_ids": [], "sampling_params": {}}, 400, "empty"),
+])
+def test_bad_requests_get_a_4xx_with_a_clear_message_and_serving_goes_on(client, path, body, status, says):
+    r = client.post(path, content=body) if isinstance(body, bytes) else client.post(path, json=body)
+    assert r.status_code == status, r.text
+    assert says in r.json()["error"]["message"]
+    ok = client.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4})
+    assert ok.status_code == 200
+
+
+def test_the_token_endpoint_returns_the_engines_tokens_and_sampling_logprobs(served, client, tok):
+    engine = served[1]
+    prompt = Renderer(tok).prompt(MESSAGES)
+    r = client.post("/inference/v1/generate", json={
+        "model": "tiny", "token_ids": prompt,
+        "sampling_params": {"n": 3, "temperature": 0.7, "max_tokens": 12, "logprobs": 1, "skip_special_tokens": False}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["prompt_token_ids"] == prompt and len(out["choices"]) == 3
+    for choice in out["choices"]:
+        ids = choice["token_ids"]
+        entries = choice["logprobs"]["content"]
+        assert [e["token"] for e in entries] == [f"token_id:{t}" for t in ids]  # what verifiers' renderers client checks
+        scored = engine.score([prompt + ids], 0.7)[0][len(prompt) - 1:]
+        assert [e["logprob"] for e in entries] == pytest.approx(scored, abs=1e-4)
+        assert choice["finish_reason"] in ("stop", "length")
+        assert len(ids) == 12 or ids[-1] == tok.eos_token_id
+
+
+def test_chat_prompt_tokens_are_the_chat_templates_and_logprobs_the_engines(served, client, tok):
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 8,
+                                                  "temperature": 1.0, "logprobs": True, "return_token_ids": True})
+    out = r.json()
+    prompt = Renderer(tok).prompt(MESSAGES)
+    assert out["prompt_token_ids"] == prompt  # the same tokens rlhpc's own episodes start from
+    choice = out["choices"][0]
+    scored = served[1].score([prompt + choice["token_ids"]], 1.0)[0][len(prompt) - 1:]
+    assert [e["logprob"] for e in choice["logprobs"]["content"]] == pytest.approx(scored, abs=1e-4)
+    assert choice["message"]["content"] == tok.decode(choice["token_ids"], skip_special_tokens=True)
+    assert out["usage"]["completion_tokens"] == len(choice["token_ids"])
+
+
+def test_temperature_zero_is_the_engines_greedy_completion(served, client, tok):
+    prompt = Renderer(tok).prompt(MESSAGES)
+    want = served[1].inner.generate([prompt], 1, 1.0, 10, [tok.eos_token_id], greedy=True)[0][0]
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": 10,
+                                             "return_token_ids": True})
+    assert r.json()["choices"][0]["token_ids"] == want.tokens
+
+
+def test_streaming_answers_add_up_to_the_whole_answer(client):
+    for path, body in [("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "Reverse: ab"})]:
+        body = {"model": "tiny", "temperature": 0, "max_tokens": 12, "logprobs": True if "messages" in body else 0,
+                "stream_options": {"include_usage": True}, **body}
+        whole = client.post(path, json=body).json()
+        with client.stream("POST", path, json={**body, "stream": True}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers[VERSION_HEADER] == "0"
+            events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["usage"] == whole["usage"]
+        choices = [c["choices"][0] for c in chunks if c["choices"]]
+        if "messages" in body:
+            text = "".join(c["delta"].get("content", "") for c in choices)
+            assert text == whole["choices"][0]["message"]["content"]
+            streamed_lps = [e["logprob"] for c in choices if c["logprobs"] for e in c["logprobs"]["content"]]
+            assert streamed_lps == [e["logprob"] for e in whole["choices"][0]["logprobs"]["content"]]
+        else:
+            assert "".join(c["text"] for c in choices) == whole["choices"][0]["text"]
+        assert choices[-1]["finish_reason"] == whole["choices"][0]["finish_reason"]
+
+
+def test_n_and_max_tokens_shape_the_answer(client, tok):
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "n": 3, "max_tokens": 4,
+                                             "return_token_ids": True})
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    for c in choices:
+        assert 1 <= len(c["token_ids"]) <= 4
+        assert c["finish_reason"] == ("stop" if c["token_ids"][-1] == tok.eos_token_id else "length")
+
+
+def test_concurrent_clients_are_batched_into_fewer_engine_calls(served, client):
+    engine = served[1]
+    before = engine.calls
+    bodies = [{"model": "tiny", "messages": MESSAGES, "max_tokens": 3 + 5 * (i % 2), "return_token_ids": True}
+              for i in range(8)]
+    with ThreadPoolExecutor(8) as ex:
+        answers = list(ex.map(lambda b: client.post("/v1/chat/completions", json=b), bodies))
+    assert all(a.status_code == 200 for a in answers)
+    assert engine.calls - before < 8
+    # Requests with different max_tokens share engine calls; each keeps to its own.
+    assert all(len(a.json()["choices"][0]["token_ids"]) <= b["max_tokens"] for a, b in zip(answers, bodies))
+    assert served[0].batcher.sequences >= 8
+
+
+def test_the_worker_loop_and_http_clients_never_use_the_engine_at_once(served, client, tok):
+    shared: SharedEngine = served[0].engine  # what the worker loop uses when inference.serve=true
+    prompt = Renderer(tok).prompt(MESSAGES)
+    stop = threading.Event()
+
+    def worker_loop():
+        while not stop.is_set():
+            shared.generate([prompt] * 4, 2, 1.0, 8, [tok.eos_token_id])
+
+    t = threading.Thread(target=worker_loop)
+    t.start()
+    try:
+        with ThreadPoolExecutor(4) as ex:
+            answers = list(ex.map(lambda _: client.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": MESSAGES, "max_tokens": 8}), range(12)))
+    finally:
+        stop.set()
+        t.join()
+    assert all(a.status_code == 200 for a in answers)
+    assert served[1].max_active == 1
+
+
+def test_the_weights_version_follows_weight_updates(model_dir, tok):
+    engine = SharedEngine(HFEngine.from_pretrained(str(model_dir)))
+    server = Server(engine, tok, "tiny", context_length(model_dir), None).start()
+    prompt = Renderer(tok).prompt(MESSAGES)
+    body = {"model": "tiny", "token_ids": prompt, "sampling_params": {"temperature": 0, "max_tokens": 6}}
+    try:
+        before = httpx.post(server.url + "/inference/v1/generate", json=body)
+        assert before.headers[VERSION_HEADER] == "0" and before.json()["weights_version"] == 0
+        # What the worker loop does with an update from the trainer: new weights, then their version.
+        new = {n: p.detach() + 0.05 * torch.randn_like(p) for n, p in engine.inner.model.named_parameters()}
+        engine.update_weights(list(new.items()))
+        engine.version = 3
+        after = httpx.post(server.url + "/inference/v1/generate", json=body)
+        assert after.headers[VERSION_HEADER] == "3" and after.json()["weights_version"] == 3
+        ids = after.json()["choices"][0]["token_ids"]
+        scored = engine.score([prompt + ids], 1.0)[0][len(prompt) - 1:]  # generated by the new weights
+        assert [e["logprob"] for e in after.json()["choices"][0]["logprobs"]["content"]] == pytest.approx(scored, abs=1e-4)
+        assert httpx.get(server.url + "/v1/models").json()["data"][0]["weights_version"] == 3
+    finally:
+        server.close()
+
+
+def test_tools_reach_the_chat_template_and_tool_calls_come_back_as_openai_tool_calls(tok):
+    call = '<tool_call>\n{"name": "get_text", "arguments": {"key": "a"}}\n</tool_call>'
+    server = Server(Scripted(tok, call), tok, "tiny", 256, None).start()
+    tools = [{"type": "function", "function": {"name": "get_text", "description": "the hidden text",
+                                               "parameters": {"type": "object", "properties": {"key": {"type": "string"}}}}}]
+    try:
+        out = httpx.post(server.url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": MESSAGES, "tools": tools, "return_token_ids": True}).json()
+        assert "get_text(key): the hidden text" in tok.decode(out["prompt_token_ids"])
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        [tc] = choice["message"]["tool_calls"]
+        assert tc["function"]["name"] == "get_text" and json.loads(tc["function"]["arguments"]) == {"key": "a"}
+        # The same text without tools is plain content.
+        plain = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES}).json()
+        assert plain["choices"][0]["message"]["content"] == call and plain["choices"][0]["finish_reason"] == "stop"
+    finally:
+        server.close()
+
+
+def test_stop_strings_end_the_answer_before_them(tok):
+    server = Server(Scripted(tok, "olleh. And more"), tok, "tiny", 256, None).start()
+    try:
+        out = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "stop": ["."],
+                                                              "return_token_ids": True}).json()
+        choice = out["choices"][0]
+        assert choice["text"] == "olleh" and choice["finish_reason"] == "stop"
+        assert tok.decode(choice["token_ids"]) == "olleh."  # the tokens up to the one that completed the stop string
+    finally:
+        server.close()
+
+
+def test_an_openai_client_talks_to_the_server(served):
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(base_url=served[0].url + "/v1", api_key=TOKEN)
+    assert [m.id for m in api.models.list()] == ["tiny"]
+    chat = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, n=2, logprobs=True)
+    assert len(chat.choices) == 2 and all(len(c.logprobs.content) >= 1 for c in chat.choices)
+    assert chat.model_extra["weights_version"] == 0
+    text = api.completions.create(model="tiny", prompt="Reverse: ab", max_tokens=5, temperature=0)
+    assert text.choices[0].finish_reason in ("stop", "length")
+    streamed = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=6, temperature=0, stream=True) if c.choices)
+    whole = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0)
+    assert streamed == whole.choices[0].message.content
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=served[0].url + "/v1", api_key="wrong").models.list()
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        api.chat.completions.create(model="tiny", messages=MESSAGES, top_p=0.5)

@@ -1,0 +1,198 @@
+"""verifiers (v1) environments in rlhpc (rlhpc.env.verifiers_env): three environment packages written as a verifiers
+user would (tests/verifiers_pkgs: single-turn, multi-turn with feedback, tool-using) run by verifiers itself (the
+`null` harness in the subprocess runtime, TrainClient against rlhpc's token endpoint) and come back as rlhpc episodes
+with verifiers' rewards and the engine's tokens and logprobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+verifiers = pytest.importorskip("verifiers", reason="pip install -e '.[verifiers]'")
+
+from rlhpc import models  # noqa: E402
+from rlhpc.config import EnvConfig, ModelConfig  # noqa: E402
+from rlhpc.env.base import load  # noqa: E402
+from rlhpc.env.pool import EnvPool  # noqa: E402
+from rlhpc.infer.engines import Completion, Engine  # noqa: E402
+from rlhpc.infer.engines.hf import HFEngine  # noqa: E402
+from rlhpc.infer.rollout import episodes  # noqa: E402
+
+PKGS = Path(__file__).resolve().parent / "verifiers_pkgs"
+TOOL = "lookup_toolset_spell_backwards"  # the MCP tool's name as the policy sees it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def packages_importable():
+    """The test packages are importable here and in the processes verifiers starts (the MCP tool server)."""
+    sys.path.insert(0, str(PKGS))
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(PKGS)] + ([old] if old else []))
+    yield
+    sys.path.remove(str(PKGS))
+    if old is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    # Tool calls are single tokens, as in Qwen3 (renderers' qwen3 tool parser reads them by id).
+    return models.build(ModelConfig(tokenizer_added_tokens=["<tool_call>", "</tool_call>"], max_position_embeddings=1024),
+                        tmp_path_factory.mktemp("vf") / "model")
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return models.load_tokenizer(model_dir)
+
+
+class ScriptedPolicy(Engine):
+    """Plays the test environments from the prompt's text: the single-turn answer has every letter but the last right;
+    after feedback it answers right; with tools it first calls the tool, then answers with the tool's result."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.calls = []  # (prompt ids, completion)
+
+    def answer(self, text: str) -> str:
+        word = re.findall(r"Reverse: (\w+)", text)[-1]
+        if "Tools:" in text:
+            results = re.findall(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", text, re.S)
+            if not results:
+                return f'<tool_call>{{"name": "{TOOL}", "arguments": {{"text": "{word}"}}}}</tool_call>'
+            return results[-1].strip()
+        if "letters right" in text:
+            return word[::-1]
+        return word[::-1][:-1] + ("z" if word[0] != "z" else "y")
+
+    def generate(self, prompts, n, temperature, max_new_tokens, stop_token_ids, greedy=False):
+        out = []
+        for p in prompts:
+            ids = self.tok(self.answer(self.tok.decode(p)), add_special_tokens=False)["input_ids"]
+            ids = ids[:max_new_tokens - 1] + [self.tok.eos_token_id]
+            c = Completion(ids, [-0.01 * (k + 1) for k in range(len(ids))], "stop")
+            self.calls.append((list(p), c))
+            out.append([c] * n)
+        return out
+
+    def update_weights(self, named_tensors):
+        pass
+
+    def score(self, sequences, temperature):
+        raise NotImplementedError
+
+
+def run(pkg: str, engine, tok, n: int = 2, tasks: int = 2, max_new_tokens: int = 12):
+    cfg = EnvConfig(name="verifiers", cls="rlhpc.env.verifiers_env:VerifiersEnvironment",
+                    args={"id": pkg, "eval_size": 4, "num_tasks": 8}, pool_processes=0, max_new_tokens=max_new_tokens)
+    env = load(cfg)
+    try:
+        task_list = list(env.tasks("eval", 0))[:tasks]
+        groups = episodes(engine, env, EnvPool(cfg, processes=0, env=env), tok, task_list, n, 1.0, cfg, version=3)
+    finally:
+        env.close()
+    return task_list, groups
+
+
+def sampled(e):
+    return [t for t, m in zip(e.ids[e.prompt_len:], e.mask) if m], [x for x, m in zip(e.logprobs, e.mask) if m]
+
+
+def reversal_reward(reply: str, text: str) -> float:
+    from vf_reverse_text import reversal_reward as rr  # the package's own function
+
+    return rr(reply, text)
+
+
+@pytest.mark.slow
+def test_a_single_turn_episode_carries_verifiers_reward_and_the_engines_tokens(tok):
+    policy = ScriptedPolicy(tok)
+    tasks, groups = run("vf_reverse_text", policy, tok)
+    assert [len(g) for g in groups] == [2, 2]
+    for task, group in zip(tasks, groups):
+        word = task.data["vf"].data.text
+        for e in group:
+            tokens, logprobs = sampled(e)
+            # Exactly what the engine sampled for this prompt, with its logprobs.
+            [(prompt, c)] = [(p, c) for p, c in policy.calls if p == e.ids[:e.prompt_len]][:1]
+            assert tokens == c.tokens and logprobs == c.logprobs and all(e.mask)
+            assert e.reward == pytest.approx((len(word) - 1) / len(word))  # verifiers' @vf.reward of that answer
+            assert e.error is None and e.turns == 1 and e.max_version == 3
+
+
+@pytest.mark.slow
+def test_logprobs_of_verifiers_samples_are_the_engines_sampling_logprobs(model_dir, tok):
+    engine = HFEngine.from_pretrained(str(model_dir), seed=3)
+    for pkg in ("vf_reverse_text", "vf_guess_feedback"):
+        tasks, groups = run(pkg, engine, tok, n=2, tasks=1, max_new_tokens=8)
+        for e in groups[0]:
+            scored = engine.score([e.ids], 1.0)[0][e.prompt_len - 1:]
+            assert [s for s, m in zip(scored, e.mask) if m] == pytest.approx(sampled(e)[1], abs=1e-4)
+            assert [x for x, m in zip(e.logprobs, e.mask) if not m] == [0.0] * (len(e.mask) - sum(e.mask))
+            word = tasks[0].data["vf"].data.text
+            assert e.reward == pytest.approx(reversal_reward(e.completions[-1], word))
+
+
+@pytest.mark.slow
+def test_a_multi_turn_episode_with_feedback_is_one_sample_whose_turns_extend_each_other(tok):
+    policy = ScriptedPolicy(tok)
+    tasks, groups = run("vf_guess_feedback", policy, tok, n=1)
+    for task, [e] in zip(tasks, groups):
+        assert e.turns == 2 and e.reward == 1.0  # wrong first, right after the feedback
+        turns = [(p, c) for p, c in policy.calls if e.ids[:len(p)] == p]
+        assert len(turns) == 2
+        (p1, c1), (p2, c2) = turns
+        assert p2[:len(p1) + len(c1.tokens)] == p1 + c1.tokens  # token-exact: the second prompt extends the first turn
+        tokens, logprobs = sampled(e)
+        assert tokens == c1.tokens + c2.tokens and logprobs == c1.logprobs + c2.logprobs
+        feedback = tok.decode(e.ids[len(p1) + len(c1.tokens):len(p2)])
+        assert "letters right. Try again." in feedback  # the environment's reply, not trained on
+        assert e.ids == p2 + c2.tokens
+
+
+@pytest.mark.slow
+def test_tool_calls_run_in_verifiers_tool_server_and_their_results_reach_the_policy(tok):
+    policy = ScriptedPolicy(tok)
+    tasks, groups = run("vf_tool_lookup", policy, tok, n=1, max_new_tokens=96)
+    for task, [e] in zip(tasks, groups):
+        word = task.data["vf"].data.text
+        assert e.error is None, e.error
+        assert e.turns == 2 and e.reward == 1.0  # answered with what the tool returned
+        assert f"{TOOL}(text)" in tok.decode(e.ids[:e.prompt_len])  # the tool reached the chat template
+        tokens, _ = sampled(e)
+        assert tok.decode(tokens).startswith("<tool_call>") and word[::-1] in tok.decode(e.ids[e.prompt_len:])
+
+
+SMALL = ["sft.steps=0", "eval.num_tasks=2", "eval.interval=0", "launcher.progress=false", "model.hidden_size=32",
+         "model.intermediate_size=64", "model.num_layers=1", "trainer.groups_per_step=2",
+         "inference.groups_per_batch=2", "inference.num_workers=1", "algo.group_size=2", "env=verifiers",
+         "env.max_new_tokens=8", "+env.args.eval_size=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pkg, steps, extra", [
+    ("vf_reverse_text", 2, []),
+    ("vf_guess_feedback", 2, []),
+    # Its MCP tool server starts with every batch of episodes (~10 s here): one step.
+    ("vf_tool_lookup", 1, ["model.tokenizer_added_tokens=['<tool_call>','</tool_call>']", "env.max_new_tokens=96",
+                           "model.max_position_embeddings=1024"]),
+])
+def test_a_short_rl_run_on_a_verifiers_environment_completes(tmp_path, pkg, steps, extra):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PKGS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "rlhpc.launch", "+exp=reverse_text", f"run_dir={run_dir}", *SMALL,
+                           f"env.args.id={pkg}", f"trainer.steps={steps}", *extra], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rl_steps"] == steps
+    rows = [json.loads(x) for x in (run_dir / "logs" / "inference-0.metrics.jsonl").read_text().splitlines()]
+    assert rows and all(r["env/errors"] == 0 for r in rows if "env/errors" in r)
