@@ -1,0 +1,145 @@
+"""What the launcher checks before anything starts (before a local process starts or a Slurm job is submitted), so that a
+mistake costs seconds at the terminal, not a queue wait and a failed job. Every error names the config key.
+
+- `model.path`: a folder whose config and tokenizer transformers loads (the weights are not read: that takes long);
+- the environment: `env.name`/`env.cls` resolves and its constructor accepts `env.args`; `env.tool_parser` resolves;
+- the loss: `algo.name` is a registered loss or an importable "package.module:function";
+- the run directory: relaunching an unfinished run with a config that changes training is refused, with the
+  differences listed, unless `resume.allow_config_change=true` (`training_changes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, List, Tuple
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlhpc.config import Config, ConfigError
+
+
+def check(cfg: Config, model: bool = True) -> None:
+    """Raises ConfigError naming the key of the first thing that cannot work. `model=False` skips `model.path` (a dry
+    run may plan for a checkpoint that only the cluster's filesystem holds)."""
+    if model:
+        check_model(cfg)
+    check_env(cfg)
+    check_loss(cfg)
+
+
+def check_model(cfg: Config) -> None:
+    path = cfg.model.path
+    if not path:
+        return
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"config key `model.path`: {path} is not a folder (a local Hugging Face checkpoint: "
+                          f"config.json, tokenizer files, *.safetensors)")
+    from transformers import AutoConfig
+
+    from rlhpc import models
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises, the message is what the user needs
+        raise ConfigError(f"config key `model.path`: no loadable model config in {path}: {one_line(e)}") from None
+    # transformers makes an empty tokenizer from config.json alone: ask for the tokenizer's own files.
+    if not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise ConfigError(f"config key `model.path`: no loadable tokenizer in {path}: none of "
+                          f"{', '.join(TOKENIZER_FILES)}")
+    try:
+        tokenizer = models.load_tokenizer(folder)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"config key `model.path`: no loadable tokenizer in {path}: {one_line(e)}") from None
+    vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None)
+    if vocab and len(tokenizer) > vocab:
+        raise ConfigError(f"config key `model.path`: the tokenizer in {path} has {len(tokenizer)} tokens, more than "
+                          f"the model's vocabulary ({vocab}): they do not belong together")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_env(cfg: Config) -> None:
+    from rlhpc import env as env_mod
+    from rlhpc.env import tools
+
+    key = "env.cls" if cfg.env.cls else "env.name"
+    try:
+        env_mod.load(cfg.env)
+    except ValueError as e:  # the environment loader names the key itself
+        raise ConfigError(one_line(e) if "config key" in str(e) else f"config key `{key}`: {one_line(e)}") from None
+    except Exception as e:  # noqa: BLE001 - the environment's own constructor failed
+        what = cfg.env.cls or cfg.env.name
+        raise ConfigError(f"config key `env.args`: environment {what!r} failed to start with {dict(cfg.env.args)}: "
+                          f"{one_line(e)}") from None
+    try:
+        tools.parser(cfg.env.tool_parser)
+    except ValueError as e:
+        raise ConfigError(one_line(e)) from None
+
+
+def check_loss(cfg: Config) -> None:
+    from rlhpc.algo import loss
+
+    try:
+        loss.get(cfg.algo.name)
+    except ValueError as e:
+        raise ConfigError(one_line(e)) from None
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its type (unless its message says enough) and its message's lines joined."""
+    text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return text if text.startswith("config key") else f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+# ---- relaunching an unfinished run ------------------------------------------------------------------------------------
+
+# Keys that may change between launches of one run without changing what it trains: where and how it runs, how long,
+# how often it checkpoints or evaluates, timeouts, how the work is split (the math does not depend on ranks or
+# micro-batches: tests/test_trainer_math.py), how many workers produce the same kind of groups.
+RUNTIME_KEYS = (
+    "run_dir", "exp_name", "overwrite", "dry_run", "log_level", "resume", "launcher", "cluster", "eval",
+    "trainer.steps", "trainer.checkpoint_interval", "trainer.export_final", "trainer.rollout_timeout_s",
+    "trainer.max_bad_steps", "trainer.threads", "trainer.num_ranks", "trainer.fsdp", "trainer.activation_checkpointing",
+    "trainer.micro_batch_tokens", "trainer.logprob_chunk_tokens",
+    "inference.num_workers", "inference.threads", "inference.startup_timeout_s", "inference.idle_timeout_s",
+    "inference.max_restarts", "inference.serve", "inference.serve_open", "inference.serve_port", "inference.serve_host",
+    "weights.timeout_s", "weights.bucket_mb", "weights.snapshot_interval", "weights.transport",
+    "queue.lease_s", "queue.poll_max_s", "queue.keep_dropped", "queue.keep_quarantined", "queue.keep_retired",
+    "env.pool_processes",
+)
+
+
+def training_changes(saved: DictConfig, cfg: Config) -> List[Tuple[str, Any, Any]]:
+    """(key, saved value, new value) of every key that differs and changes training. A key the saved config lacks (the
+    schema grew between versions of rlhpc) is not a difference; free-form values (env.args, model.extra) compare
+    whole."""
+    old = OmegaConf.to_container(saved, resolve=False)
+    changes = []
+    for key, value in _leaves(cfg):
+        if any(key == r or key.startswith(r + ".") for r in RUNTIME_KEYS):
+            continue
+        node: Any = old
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            if node != value:
+                changes.append((key, node, value))
+    return changes
+
+
+def _leaves(obj: Any, prefix: str = "") -> List[Tuple[str, Any]]:
+    """(dotted key, value) of every field of a config dataclass, recursing into nested config dataclasses only."""
+    out: List[Tuple[str, Any]] = []
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if is_dataclass(v):
+            out += _leaves(v, f"{prefix}{f.name}.")
+        else:
+            out.append((f"{prefix}{f.name}", v))
+    return out

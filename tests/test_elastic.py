@@ -1,0 +1,78 @@
+"""Workers come and go: an inference worker killed mid-run is restarted by the local launcher, rejoins at the current
+weights version, and the run finishes with every step trained once."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlhpc import config as config_mod
+from rlhpc.config import ConfigError
+from test_launch import SMALL, rlhpc_processes
+
+
+def test_restarts_need_the_filesystem_weights_transport_and_the_local_launcher():
+    import rlhpc.algo  # noqa: F401  (registers the algorithms' config checks)
+
+    cfg = config_mod.to_typed({"run_dir": "/tmp/x", "inference": {"max_restarts": 2}})
+    with pytest.raises(ConfigError, match="inference.max_restarts.*weights.transport=filesystem"):
+        config_mod.validate(cfg)
+    cfg = config_mod.to_typed({"run_dir": "/tmp/x", "inference": {"max_restarts": 2},
+                               "weights": {"transport": "filesystem"}, "launcher": {"name": "slurm"}})
+    with pytest.raises(ConfigError, match="only the local launcher restarts workers"):
+        config_mod.validate(cfg)
+
+
+def role_pid(run_dir, role, rank):
+    for pid in rlhpc_processes(run_dir, roles_only=True):
+        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        if f"RLHPC_ROLE={role}".encode() in env and f"RLHPC_RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted_and_rejoins_at_the_current_version(tmp_path):
+    run_dir = tmp_path / "run"
+    steps = 40  # long enough for the restarted worker to start (a few seconds) and publish before the end
+    p = subprocess.Popen([sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", f"trainer.steps={steps}",
+                          "weights.transport=filesystem", "inference.max_restarts=2", "queue.lease_s=5"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ledger = run_dir / "queue" / "ledger.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and (not ledger.exists() or len(ledger.read_text().splitlines()) < 3):
+        time.sleep(0.1)
+    killed_at = len(ledger.read_text().splitlines())
+    pid = role_pid(run_dir, "inference", 0)
+    os.killpg(pid, signal.SIGKILL)  # the worker and its environment pool, as when its node dies
+    _, err = p.communicate(timeout=240)
+    assert p.returncode == 0, err[-3000:]
+    assert "inference-0 exited with code -9; restarting it (1 of inference.max_restarts=2)" in err
+
+    entries = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert [e["step"] for e in entries] == list(range(steps))  # every step once: training went on
+    uids = [u for e in entries for u in e["groups"]]
+    assert len(uids) == len(set(uids))
+    # The second life of worker 0 started from the newest snapshot, not from version 0.
+    rows = [json.loads(line) for line in (run_dir / "logs" / "inference-0.metrics.jsonl").read_text().splitlines()]
+    second_life = [r for i, r in enumerate(rows) if i and r["step"] == 0][-1:]
+    assert second_life and second_life[0]["weights/version"] >= killed_at - 1, (killed_at, rows)
+    assert rlhpc_processes(run_dir) == []
+
+
+def test_a_snapshot_written_after_a_resume_replaces_the_later_ones_left_from_before(tmp_path):
+    import torch
+
+    from rlhpc.rundir import RunDir
+    from rlhpc.transport.weights import latest_snapshot, load_snapshot, write_snapshot
+
+    run = RunDir(tmp_path).make()
+    for v in (10, 11, 12):  # the run got to version 12, then crashed; its checkpoint is at step 10
+        write_snapshot(run, v, [("w", torch.full((2,), float(v)))])
+    write_snapshot(run, 10, [("w", torch.full((2,), -10.0))])  # the resumed trainer republishes version 10
+    assert latest_snapshot(run) == 10  # a restarted worker starts from the resumed weights, not the lost ones
+    assert load_snapshot(run, 10)[0][1].tolist() == [-10.0, -10.0]

@@ -1,0 +1,148 @@
+"""Validated before anything starts: the model, the environment, the loss and every value's type are checked at launch,
+each error is one line naming the config key, and an unfinished run is not resumed with a config that trains
+differently unless asked."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+import rlhpc.algo  # noqa: F401  (registers the algorithms' config checks)
+from rlhpc import config as config_mod
+from rlhpc import models, preflight
+from rlhpc.config import ConfigError, ModelConfig
+from rlhpc.launch import RunDirError, prepare_run_dir
+
+TESTS = Path(__file__).resolve().parent
+
+
+def cfg_of(tmp_path, **sections):
+    return config_mod.to_typed({"run_dir": str(tmp_path / "run"), **sections})
+
+
+def launch(tmp_path, *overrides, env=None):
+    return subprocess.run([sys.executable, "-m", "rlhpc.launch", "+exp=reverse_text", f"run_dir={tmp_path / 'run'}",
+                           *overrides], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.steps=many", "error: config key `trainer.steps`: Value 'many' of type 'str' could not be converted"),
+    ("model.extra=5", "error: config key `model.extra`: Cannot assign int to Dict"),
+    ("trainer.stepz=3", "error: config key `trainer.stepz`: Key 'stepz' not in 'TrainerConfig' (no such key"),
+    ("env=nope", "error: config group `env`: no option 'nope' (conf/env/ has: "),
+    ("algo.name=nope", "error: config key `algo.name`: unknown loss 'nope'"),
+    ("model.path=/does/not/exist", "error: config key `model.path`: /does/not/exist is not a folder"),
+    ("env.name=nope", "error: config key `env.name`: no environment 'nope'"),
+])
+def test_a_bad_value_is_one_line_naming_the_key_and_nothing_starts(tmp_path, override, message):
+    proc = launch(tmp_path, override)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
+    assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return models.build(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1), tmp_path_factory.mktemp("m"))
+
+
+def test_a_model_path_needs_a_loadable_config_and_tokenizer(tmp_path, model_dir):
+    preflight.check_model(cfg_of(tmp_path, model={"path": str(model_dir)}))  # the real thing passes
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"^config key `model.path`: no loadable model config in .*empty"):
+        preflight.check_model(cfg_of(tmp_path, model={"path": str(tmp_path / "empty")}))
+    weights_only = tmp_path / "weights_only"
+    weights_only.mkdir()
+    (weights_only / "config.json").write_text((model_dir / "config.json").read_text())
+    with pytest.raises(ConfigError, match=r"^config key `model.path`: no loadable tokenizer in .*weights_only"):
+        preflight.check_model(cfg_of(tmp_path, model={"path": str(weights_only)}))
+
+
+class Broken:
+    """Stands in for an environment whose constructor fails (a missing data file, say)."""
+
+
+def test_the_environment_must_resolve_and_accept_its_args(tmp_path):
+    preflight.check_env(cfg_of(tmp_path))  # reverse_text with no args
+    with pytest.raises(ConfigError, match=r"^config key `env.args`: ReverseText does not accept \{'colour': 'red'\}"):
+        preflight.check_env(cfg_of(tmp_path, env={"args": {"colour": "red"}}))
+    with pytest.raises(ConfigError, match=r"^config key `env.cls`: cannot import 'no_such_module:Env'"):
+        preflight.check_env(cfg_of(tmp_path, env={"cls": "no_such_module:Env"}))
+    with pytest.raises(ConfigError, match=r"^config key `env.args`: environment 'test_launch_checks:failing_env' "
+                                          r"failed to start with \{\}: FileNotFoundError: tasks.jsonl"):
+        preflight.check_env(cfg_of(tmp_path, env={"cls": "test_launch_checks:failing_env"}))
+    with pytest.raises(ConfigError, match=r"^config key `env.tool_parser`"):
+        preflight.check_env(cfg_of(tmp_path, env={"tool_parser": "no_such_module:parse"}))
+
+
+def failing_env(**kwargs):
+    raise FileNotFoundError("tasks.jsonl")
+
+
+def test_the_loss_must_resolve(tmp_path):
+    preflight.check_loss(cfg_of(tmp_path, algo={"name": "poison_loss:nan_grpo"}))  # an import path that exists
+    with pytest.raises(ConfigError, match=r"^config key `algo.name`: cannot import loss 'poison_loss:no_such_fn'"):
+        preflight.check_loss(cfg_of(tmp_path, algo={"name": "poison_loss:no_such_fn"}))
+
+
+def trained_run(tmp_path, **sections):
+    """An unfinished run directory that has trained: its config saved, its warm-started model READY."""
+    cfg = cfg_of(tmp_path, **sections)
+    run = prepare_run_dir(cfg)
+    run.model.mkdir(parents=True)
+    (run.model / "READY").write_text("{}")
+    return run
+
+
+def test_an_unfinished_run_is_not_resumed_with_a_config_that_trains_differently(tmp_path):
+    run = trained_run(tmp_path, trainer={"optim": {"lr": 1e-3}})
+    changed = cfg_of(tmp_path, trainer={"optim": {"lr": 3e-3}}, algo={"clip_high": 0.28}, env={"args": {"n": 1}})
+    with pytest.raises(RunDirError) as e:
+        prepare_run_dir(changed)
+    text = str(e.value)
+    assert "holds an unfinished run whose config differs in keys that change training" in text
+    assert "trainer.optim.lr: 0.001 -> 0.003" in text and "algo.clip_high: 0.2 -> 0.28" in text
+    assert "env.args: {} -> {'n': 1}" in text and "resume.allow_config_change=true" in text
+    assert config_mod.load(run.root).trainer.optim.lr == 1e-3  # the saved config is untouched
+
+
+def test_allow_config_change_resumes_with_the_new_values_and_records_the_change(tmp_path):
+    run = trained_run(tmp_path)
+    prepare_run_dir(cfg_of(tmp_path, seed=7, resume={"allow_config_change": True}))
+    assert config_mod.load(run.root).seed == 7
+    (entry,) = [json.loads(line) for line in (run.root / "config_changes.jsonl").read_text().splitlines()]
+    assert entry["changes"] == [["seed", 0, 7]]
+
+
+def test_keys_that_do_not_change_training_may_change_on_resume(tmp_path):
+    run = trained_run(tmp_path)
+    prepare_run_dir(cfg_of(tmp_path, trainer={"steps": 500, "checkpoint_interval": 10}, inference={"num_workers": 5},
+                           launcher={"timeout_s": 60.0}, eval={"interval": 5}))
+    assert config_mod.load(run.root).trainer.steps == 500
+
+
+def test_a_run_that_never_trained_may_be_relaunched_with_any_config(tmp_path):
+    prepare_run_dir(cfg_of(tmp_path, seed=1))  # e.g. a launch that failed before the warm start finished
+    prepare_run_dir(cfg_of(tmp_path, seed=2))
+
+
+def test_the_changes_ignore_keys_a_saved_config_lacks(tmp_path):
+    saved = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(cfg_of(tmp_path))))
+    del saved.trainer["max_bad_steps"]  # written by an older rlhpc
+    assert preflight.training_changes(saved, cfg_of(tmp_path, trainer={"max_bad_steps": 9})) == []
+
+
+@pytest.mark.slow
+def test_a_refused_resume_is_reported_by_the_launch_command(tmp_path):
+    trained_run(tmp_path)
+    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = launch(tmp_path, "algo.clip_high=0.3", "algo.name=poison_loss:nan_grpo", env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: run_dir=") and "algo.clip_high" in proc.stderr
+    assert "algo.name: 'grpo' -> 'poison_loss:nan_grpo'" in proc.stderr
