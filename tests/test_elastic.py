@@ -15,16 +15,16 @@ from rlhpc.config import ConfigError
 from test_launch import SMALL, rlhpc_processes
 
 
-def test_restarts_need_the_filesystem_weights_transport_and_the_local_launcher():
+def test_restarts_need_the_filesystem_weights_transport():
     import rlhpc.algo  # noqa: F401  (registers the algorithms' config checks)
 
     cfg = config_mod.to_typed({"run_dir": "/tmp/x", "inference": {"max_restarts": 2}})
     with pytest.raises(ConfigError, match="inference.max_restarts.*weights.transport=filesystem"):
         config_mod.validate(cfg)
-    cfg = config_mod.to_typed({"run_dir": "/tmp/x", "inference": {"max_restarts": 2},
-                               "weights": {"transport": "filesystem"}, "launcher": {"name": "slurm"}})
-    with pytest.raises(ConfigError, match="only the local launcher restarts workers"):
-        config_mod.validate(cfg)
+    for launcher in ("local", "slurm", "sbatch"):  # under Slurm the worker's task restarts it inside the job
+        config_mod.validate(config_mod.to_typed({"run_dir": "/tmp/x", "inference": {"max_restarts": 2},
+                                                 "weights": {"transport": "filesystem"},
+                                                 "launcher": {"name": launcher}}))
 
 
 def role_pid(run_dir, role, rank):

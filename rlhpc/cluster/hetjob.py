@@ -49,6 +49,7 @@ class JobPlan:
     requeue: bool
     python: str
     setup: List[str]
+    max_restarts: int = 0  # inference.max_restarts: a dead worker's task is restarted inside the job
 
     @property
     def trainer(self) -> GroupPlan:
@@ -141,6 +142,7 @@ def make_plan(cfg: Config) -> JobPlan:
         requeue=c.requeue,
         python=c.python or sys.executable,
         setup=list(c.setup),
+        max_restarts=cfg.inference.max_restarts,
     )
 
 
@@ -170,11 +172,23 @@ def _component_lines(plan: JobPlan, g: GroupPlan) -> List[str]:
     return lines
 
 
-# Each task: find its log name (role-rank) from Slurm's variables, then become the role entry point (exec keeps the
-# PID, so signals from srun reach the role itself).
+# Each task: find its log name (role-rank) from Slurm's variables, then run the role entry point. An inference worker
+# that dies while the run goes on (killed, crashed; not stopped by a signal, the run not DONE or FAILED) is started
+# again inside the job, up to inference.max_restarts times: it rejoins at the newest weights snapshot. Slurm signals
+# every process of the step (measured: srun's forwarded USR1 reaches this shell and the role once each), so the shell
+# only notes a signal (a stopped role is not restarted) and the role handles it itself.
 _TASK = (
     'name=$("$RLHPC_PYTHON" -m rlhpc.cluster.slurm_identity) || exit 1; export LOCAL_RANK=$SLURM_LOCALID; '
-    'exec "$RLHPC_PYTHON" -m rlhpc.role >>"$RLHPC_RUN_DIR/logs/$name.log" 2>&1'
+    'max=0; [[ $name == inference-* ]] && max=$RLHPC_MAX_RESTARTS; n=0; stopped=""; '
+    'trap "stopped=1" USR1 TERM INT; '
+    'while true; do '
+    'RLHPC_RESTART=$n RLHPC_RESTARTS_LEFT=$((max - n)) "$RLHPC_PYTHON" -m rlhpc.role >>"$RLHPC_RUN_DIR/logs/$name.log" 2>&1; '
+    'code=$?; '
+    '[[ $code == 0 || $code == 75 || -n $stopped || $n -ge $max || -e $RLHPC_RUN_DIR/status/DONE '
+    '|| -e $RLHPC_RUN_DIR/status/FAILED ]] && exit $code; '
+    'n=$((n + 1)); '
+    'echo "rlhpc: $name exited with code $code on $(hostname); restarting it ($n of inference.max_restarts=$max)" >&2; '
+    'done'
 )
 
 _BODY = r"""
@@ -247,6 +261,7 @@ def render_script(plan: JobPlan, exp_name: str = "") -> str:
         f"export RLHPC_RUN_DIR={shlex.quote(str(plan.run_dir))}",
         f"export RLHPC_PYTHON={shlex.quote(plan.python)}",
         f"export RLHPC_REQUEUE={int(plan.requeue)}",
+        f"export RLHPC_MAX_RESTARTS={plan.max_restarts}",
         "export PYTHONUNBUFFERED=1",
     ]
     if plan.setup:

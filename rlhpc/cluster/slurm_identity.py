@@ -110,6 +110,9 @@ def identity_from_slurm(env: Mapping[str, str]) -> Identity:
         attempt=attempt(env),
         master_addr=node_address(first_node(env["SLURM_JOB_NODELIST_HET_GROUP_0"])),
         master_port=master_port(env),
+        # Set by the job script's task loop when it restarts a dead inference worker (inference.max_restarts).
+        restart=int(env.get("RLHPC_RESTART") or 0),
+        restarts_left=int(env.get("RLHPC_RESTARTS_LEFT") or 0),
     )
 
 
