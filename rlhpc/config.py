@@ -160,8 +160,15 @@ class TrainerConfig:
     # logits are never held at once (the backward pass recomputes each chunk's logits); 0: the full logits.
     logprob_chunk_tokens: int = 2048
     optim: OptimConfig = field(default_factory=OptimConfig)
-    # Wrap the model with FSDP2 fully_shard (always on when num_ranks > 1).
+    # Wrap the model with FSDP2 fully_shard (always on when num_ranks > 1). With FSDP2 the model is built on the meta
+    # device and each rank loads only its shards (rlhpc/train/loading.py).
     fsdp: bool = False
+    # Dtype forward and backward compute in: "auto" (bfloat16 on GPU, master_dtype on CPU), "float32" or "bfloat16"
+    # (also on CPU, through autocast on one rank without FSDP). Gradients are always reduced in float32.
+    param_dtype: str = "auto"
+    # Dtype of the sharded parameters (master weights) and the AdamW state. "bfloat16" is pure bf16 training: updates
+    # much smaller than a weight round away. Weights sent to inference and exports are cast to model.dtype.
+    master_dtype: str = "float32"
     activation_checkpointing: bool = False
     # Save a checkpoint every this many steps (0: only at the end and on a stop signal).
     checkpoint_interval: int = 0
@@ -207,8 +214,9 @@ class InferenceConfig:
     # A worker stops with an error when nothing has moved for this long: it published nothing, received no weights,
     # and the trainer claimed no step (0: wait forever).
     idle_timeout_s: float = 1800.0
-    # A worker that dies is started again, up to this many times per worker (local launcher, with
-    # weights.transport=filesystem: it rejoins at the newest snapshot); 0: a dead worker ends the run.
+    # A worker that dies is started again, up to this many times per worker (by the local launcher, or inside the
+    # Slurm job by its task; with weights.transport=filesystem: it rejoins at the newest snapshot); 0: a dead worker
+    # ends the run.
     max_restarts: int = 0
     # ---- vLLM-only settings (ignored by the transformers engine) ----
     tensor_parallel_size: int = 1
@@ -397,6 +405,8 @@ _CHOICES = {
     "algo.normalize": ("token", "sequence", "constant"),
     "launcher.name": ("local", "slurm", "sbatch"),
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "trainer.param_dtype": ("auto", "float32", "bfloat16"),
+    "trainer.master_dtype": ("float32", "bfloat16"),
 }
 
 
@@ -430,6 +440,9 @@ def validate(cfg: Config) -> None:
     need(cfg.trainer.steps >= 0, "trainer.steps", "must be >= 0")
     need(cfg.trainer.num_ranks >= 1, "trainer.num_ranks", "must be >= 1")
     need(cfg.trainer.max_bad_steps >= 1, "trainer.max_bad_steps", "must be >= 1")
+    need(not (cfg.trainer.param_dtype == "float32" and cfg.trainer.master_dtype == "bfloat16"),
+         "trainer.param_dtype", "float32 compute over bfloat16 master weights gains nothing: set "
+         "trainer.master_dtype=float32 (mixed precision) or trainer.param_dtype=bfloat16 (pure bf16)")
     need(cfg.inference.num_workers >= 1, "inference.num_workers", "must be >= 1")
     need(cfg.inference.groups_per_batch >= 1, "inference.groups_per_batch", "must be >= 1")
     need(0 <= cfg.inference.serve_port < 65536, "inference.serve_port", "must be a TCP port (0: any free port)")
@@ -477,8 +490,6 @@ def validate(cfg: Config) -> None:
         need(cfg.weights.transport == "filesystem", "inference.max_restarts",
              "restarted workers rejoin through weights snapshots, and the broadcast group's members are fixed when it "
              "forms: set weights.transport=filesystem (docs/fault-tolerance.md)")
-        need(cfg.launcher.name == "local", "inference.max_restarts",
-             f"only the local launcher restarts workers so far (launcher={cfg.launcher.name})")
     need(cfg.eval.num_tasks >= 1, "eval.num_tasks", "must be >= 1")
     need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
     need(cfg.env.max_new_tokens >= 1, "env.max_new_tokens", "must be >= 1")

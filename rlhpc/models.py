@@ -104,3 +104,17 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def copy_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """The top-level files of the Hugging Face folder `src` (config, safetensors, tokenizer) copied into `dst`, without
+    loading the model. Copies, not links: nothing written later into `dst` can reach the user's checkpoint."""
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    if not (src / "config.json").exists():
+        raise FileNotFoundError(f"{src} holds no Hugging Face checkpoint (no config.json); check `model.path`")
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in sorted(p for p in src.iterdir() if p.is_file()):
+        shutil.copyfile(f, dst / f.name)
+    return dst

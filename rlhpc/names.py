@@ -155,13 +155,16 @@ def state_tensors(model: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
         yield name, t.detach()
 
 
-def checkpoint_layout(model: torch.nn.Module) -> List[Tuple[str, Tuple[int, ...], torch.dtype]]:
+def checkpoint_layout(model: torch.nn.Module,
+                      dtype: Optional[torch.dtype] = None) -> List[Tuple[str, Tuple[int, ...], torch.dtype]]:
     """(checkpoint name, shape, dtype) of every tensor the stream of `model` carries, in stream order, from metadata
-    alone: no all-gather, no copy (FSDP2 shards report their global shape)."""
+    alone: no all-gather, no copy (FSDP2 shards report their global shape). With `dtype`, floating-point tensors are
+    listed in it (a stream cast to the serving dtype)."""
     names = CheckpointNames.of(model)
     out = []
     for name, t in state_tensors(model):
-        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        meta = torch.empty(t.shape, dtype=dt, device="meta")
         out.extend((n, tuple(v.shape), v.dtype) for n, v in names.to_checkpoint(name, meta))
     return out
 

@@ -54,6 +54,22 @@ def test_an_unknown_choice_names_the_key_and_the_choices():
         validate(cfg)
 
 
+@pytest.mark.parametrize("override,key", [
+    ("trainer.param_dtype=float16", r"trainer.param_dtype.*auto, float32, bfloat16"),
+    ("trainer.master_dtype=float8_e4m3fn", r"trainer.master_dtype.*float32, bfloat16"),
+])
+def test_an_unknown_trainer_dtype_names_the_key_and_the_choices(override, key):
+    with pytest.raises(ConfigError, match=key):
+        validate(composed("run_dir=/tmp/x", override))
+
+
+def test_float32_compute_over_bfloat16_master_weights_is_refused_naming_the_key():
+    cfg = composed("run_dir=/tmp/x", "trainer.param_dtype=float32", "trainer.master_dtype=bfloat16")
+    with pytest.raises(ConfigError, match="trainer.param_dtype"):
+        validate(cfg)
+    validate(composed("run_dir=/tmp/x", "trainer.param_dtype=bfloat16", "trainer.master_dtype=float32"))
+
+
 def test_the_launch_command_fails_on_a_wrong_key_before_any_process_starts(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(

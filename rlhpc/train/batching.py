@@ -156,7 +156,11 @@ class _ChunkLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, bias, targets, temperature, with_entropy):
-        logits = _scaled_logits(h, weight, bias, temperature)  # fp32 [chunk, V], our own buffer
+        # Under autocast (one rank, mixed precision) the head's matmul runs in the autocast dtype, in the forward and
+        # in the recomputation of the backward alike (which runs outside autocast).
+        dev = h.device.type
+        ctx.compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        logits = _scaled_logits(h, weight, bias, temperature, ctx.compute_dtype)  # fp32 [chunk, V], our own buffer
         lse = torch.logsumexp(logits, dim=-1)
         logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
         if with_entropy:
@@ -172,17 +176,22 @@ class _ChunkLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):
         h, weight, bias, targets, lse = ctx.saved_tensors
-        grad = _scaled_logits(h, weight, bias, ctx.temperature).sub_(lse.unsqueeze(-1)).exp_()  # softmax
+        dt = ctx.compute_dtype
+        grad = _scaled_logits(h, weight, bias, ctx.temperature, dt).sub_(lse.unsqueeze(-1)).exp_()  # softmax
         grad.mul_(-grad_logp.unsqueeze(-1)).scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))
         if ctx.temperature != 1.0:
             grad.div_(ctx.temperature)
-        grad = grad.to(weight.dtype)
-        dh = grad @ weight if ctx.needs_input_grad[0] else None
-        dw = grad.t() @ h if ctx.needs_input_grad[1] else None
-        db = grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        grad = grad.to(dt or weight.dtype)
+        dh = (grad @ weight.to(grad.dtype)).to(h.dtype) if ctx.needs_input_grad[0] else None
+        dw = (grad.t() @ h.to(grad.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        db = grad.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         return dh, dw, db, None, None, None
 
 
-def _scaled_logits(h, weight, bias, temperature) -> torch.Tensor:
-    logits = torch.nn.functional.linear(h, weight, bias).float()
+def _scaled_logits(h, weight, bias, temperature, compute_dtype=None) -> torch.Tensor:
+    if compute_dtype is not None:
+        h, weight = h.to(compute_dtype), weight.to(compute_dtype)
+        bias = bias.to(compute_dtype) if bias is not None else None
+    with torch.autocast(h.device.type, enabled=False):
+        logits = torch.nn.functional.linear(h, weight, bias).float()
     return logits.div_(temperature) if temperature != 1.0 else logits

@@ -1,7 +1,16 @@
-"""How the trainer's model is parallelized: FSDP2 (`fully_shard`) per decoder block and at the root.
+"""How the trainer's model is parallelized and in which dtypes it computes: FSDP2 (`fully_shard`) per decoder block and
+at the root, and mixed precision.
 
-On GPU the parameters are kept in bf16 for compute with fp32 gradient reductions (a mixed-precision policy); on CPU
-everything stays fp32. Activation checkpointing wraps each decoder block when asked.
+Dtypes (config `trainer.param_dtype`, `trainer.master_dtype`):
+- the master weights (the sharded parameters) and the AdamW state are `trainer.master_dtype` (float32 by default);
+- forward and backward compute in `trainer.param_dtype` ("auto": bfloat16 on GPU, the master dtype on CPU). With FSDP2 the
+  parameters are all-gathered in it (`MixedPrecisionPolicy`); one rank without FSDP runs the forward under
+  `torch.autocast` instead (which also works on CPU);
+- gradients are reduced over ranks in float32 and land on the master weights in the master dtype.
+Both float32 is exact (no cast anywhere); both bfloat16 is pure bf16 training, where updates much smaller than a
+weight round away (docs/trainer.md, tests/test_mixed_precision.py).
+
+Activation checkpointing wraps each decoder block when asked.
 
 MoE models (Qwen3-MoE, GLM-5, MiniMax-M2, ...) shard the same way: transformers 5 keeps a layer's routed experts in
 two fused parameters, which belong to their block's FSDP unit, so a block's all-gather brings all of its experts (no
@@ -11,10 +20,41 @@ transformers) are simply left out of the reduce-scatter.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from rlhpc.config import TrainerConfig
+from rlhpc.dtypes import dtype_of
+
+
+def master_dtype(cfg: TrainerConfig) -> torch.dtype:
+    return dtype_of(cfg.master_dtype)
+
+
+def compute_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
+    if cfg.param_dtype == "auto":  # bf16 where it is fast; on CPU compute as the master weights are stored
+        return torch.bfloat16 if device.type == "cuda" else master_dtype(cfg)
+    return dtype_of(cfg.param_dtype)
+
+
+def mixed_precision(cfg: TrainerConfig, device: torch.device) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy: all-gather in the compute dtype, reduce gradients in float32; None when nothing is cast."""
+    compute, master = compute_dtype(cfg, device), master_dtype(cfg)
+    if compute == master == torch.float32:
+        return None
+    return MixedPrecisionPolicy(param_dtype=compute if compute != master else None, reduce_dtype=torch.float32)
+
+
+def autocast(cfg: TrainerConfig, device: torch.device, model: torch.nn.Module):
+    """The forward's context on one rank without FSDP: autocast to the compute dtype when it is not the master's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    compute = compute_dtype(cfg, device)
+    if isinstance(model, FSDPModule) or compute == master_dtype(cfg):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=compute)
 
 
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -28,9 +68,8 @@ def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def apply_fsdp(model: torch.nn.Module, cfg: TrainerConfig, device: torch.device) -> torch.nn.Module:
-    mp = None
-    if device.type == "cuda":  # GPU only: bf16 compute, fp32 reductions
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    """Shards `model` in place (also on the meta device, before any memory exists: rlhpc/train/loading.py)."""
+    mp = mixed_precision(cfg, device)
     blocks = decoder_blocks(model)
     if cfg.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from itertools import islice
+from pathlib import Path
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
@@ -22,6 +23,7 @@ from rlhpc.algo import loss as loss_mod
 from rlhpc import models
 from rlhpc.train.batching import balance_ranks, pad, plan_micro_batches, token_logprobs
 from rlhpc.config import Config
+from rlhpc.dtypes import dtype_of
 from rlhpc.infer.engines.hf import HFEngine
 from rlhpc.algo.loss import LossInputs
 from rlhpc.names import checkpoint_layout
@@ -32,7 +34,10 @@ from rlhpc.stop import Stop, stop_requested
 from rlhpc.infer.rollout import evaluate
 from rlhpc.rundir import RunDir, read_json, wait_for, write_json
 from rlhpc.train.guard import BadSteps, nonfinite_advantages, nonfinite_groups, nonfinite_update
+from rlhpc.train.export import write_hf_folder
+from rlhpc.train.loading import build_sharded
 from rlhpc.train.optim import make_optimizer
+from rlhpc.train.parallel import autocast
 from rlhpc.train.warmstart import sft_train
 from rlhpc.transport.weights import BroadcastSender, FilesystemSender, WeightsSender, write_snapshot
 
@@ -83,29 +88,28 @@ class Trainer:
                 write_json(self.run.status / "REQUEUE", {"step": 0, "signal": stop_requested(), "time": time.time()})
             return "requeue"
         self.tokenizer = models.load_tokenizer(self.run.model)
-        self.model = self.wrap(models.load_model(self.run.model, cfg.model.dtype).to(self.device))
-        self.queue.vocab_size = self.model.config.vocab_size  # a file with larger token ids is quarantined
-        self.optimizer = make_optimizer(self.model.parameters(), cfg.trainer.optim)
-        # The frozen policy RL starts from, for a KL penalty against it (algo.ref_kl_coef).
-        self.reference = None
-        if cfg.algo.ref_kl_coef > 0:
-            self.reference = self.wrap(models.load_model(self.run.model, cfg.model.dtype).to(self.device)).eval()
-            self.reference.requires_grad_(False)
-        warmup = max(cfg.trainer.optim.warmup_steps, 0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
-        self.eval_tasks = list(islice(self.env.tasks("eval", 0), cfg.eval.num_tasks))
-        start, curve = 0, [(0, self.summary["heldout_reward_sft"])]
         resume_from = checkpoint.latest(self.run.checkpoints)
+        # Resuming, the DCP checkpoint fills the (sharded) parameters: the Hugging Face weights are not read.
+        self.setup_model(load_weights=resume_from is None)
+        self.queue.vocab_size = self.model.config.vocab_size  # a file with larger token ids is quarantined
+        self.eval_tasks = list(islice(self.env.tasks("eval", 0), cfg.eval.num_tasks))
+        start, curve = 0, None
         if resume_from is not None:
             state = checkpoint.load(resume_from, self.model, self.optimizer, self.scheduler)
             start, curve = state["step"], [tuple(x) for x in state["eval_curve"]]
             self.summary["resumed_at"] = self.summary.get("resumed_at", []) + [start]
         steps = cfg.trainer.steps
         if self.is_main:
+            # With FSDP the evaluator is a full copy of the model on rank 0 (evaluation moves off the trainer later;
+            # docs/trainer.md lists the full copies that remain).
             self.eval_engine = HFEngine(self.model if self.world == 1 else models.load_model(self.run.model), self.tokenizer.pad_token_id)
+            if "heldout_reward_sft" not in self.summary:  # sft.steps=0: the warm start loaded no model to evaluate
+                r = curve[0][1] if curve else evaluate(self.eval_engine, self.env, self.tokenizer, self.eval_tasks, cfg.env)
+                self.summary.update(heldout_reward_base=r, heldout_reward_sft=r)
             self.queue.truncate_ledger(before_step=start)
             self.queue.set_progress(claimed=start, version=start)
             self.sender = self.make_sender()
+        curve = curve or [(0, self.summary.get("heldout_reward_sft"))]
         if start > 0:  # workers start from run_dir/model (version 0): bring them to the resumed version
             self.publish(start, eval_due=self.world > 1)
         t_rl = time.time()
@@ -200,26 +204,29 @@ class Trainer:
     def warm_start(self) -> Dict:
         cfg = self.cfg
         base = cfg.model.path or str(models.build(cfg.model, self.run.root / "base_model"))
+        if cfg.sft.steps == 0:
+            # Nothing to train: RL starts from the base checkpoint's files as they are, and no full model is loaded
+            # here; train() measures the starting held-out reward with the evaluator it has anyway.
+            models.copy_checkpoint(base, self.run.model)
+            return {"sft_steps": 0, "sft_wall_time_s": 0.0}
         model, tok = models.load_model(base, cfg.model.dtype), models.load_tokenizer(base)
         engine = HFEngine(model, tok.pad_token_id)
         tasks = list(islice(self.env.tasks("eval", 0), cfg.eval.num_tasks))
         out: Dict = {"heldout_reward_base": evaluate(engine, self.env, tok, tasks, cfg.env)}
         t0 = time.time()
-        if cfg.sft.steps > 0:
-            def on_step(s: int, loss: float) -> None:
-                if stop_requested():
-                    raise Stop(stop_requested())
-                self.metrics.log(s + 1, {"sft/loss": loss})
-                if s % 20 == 0:
-                    self.run.heartbeat("trainer", self.rank, phase="sft", sft_step=s, sft_steps=cfg.sft.steps, loss=loss)
 
-            def on_check(s: int, reward: float) -> None:
-                self.metrics.log(s, {"sft/validation_reward": reward})
+        def on_step(s: int, loss: float) -> None:
+            if stop_requested():
+                raise Stop(stop_requested())
+            self.metrics.log(s + 1, {"sft/loss": loss})
+            if s % 20 == 0:
+                self.run.heartbeat("trainer", self.rank, phase="sft", sft_step=s, sft_steps=cfg.sft.steps, loss=loss)
 
-            losses = sft_train(model, tok, self.env, cfg, on_step=on_step, on_check=on_check)
-            out["sft_steps"] = len(losses)
-        else:
-            out["sft_steps"] = 0
+        def on_check(s: int, reward: float) -> None:
+            self.metrics.log(s, {"sft/validation_reward": reward})
+
+        losses = sft_train(model, tok, self.env, cfg, on_step=on_step, on_check=on_check)
+        out["sft_steps"] = len(losses)
         out["heldout_reward_sft"] = evaluate(engine, self.env, tok, tasks, cfg.env)
         out["sft_wall_time_s"] = time.time() - t0
         log.info("warm start: held-out reward %.3f -> %.3f after %d SFT steps (%.1fs)", out["heldout_reward_base"],
@@ -228,7 +235,35 @@ class Trainer:
         tok.save_pretrained(self.run.model)
         return out
 
+    def setup_model(self, load_weights: bool = True) -> None:
+        """The policy, its optimizer and LR schedule, and the frozen reference policy when a KL penalty needs it.
+        With `load_weights=False` the policy's parameters are left for a DCP checkpoint to fill."""
+        cfg = self.cfg
+        self.model = self.build_model(load_weights)
+        self.optimizer = make_optimizer(self.model.parameters(), cfg.trainer.optim)
+        # The frozen policy RL starts from, for a KL penalty against it (algo.ref_kl_coef).
+        self.reference = None
+        if cfg.algo.ref_kl_coef > 0:
+            self.reference = self.build_model().eval()
+            self.reference.requires_grad_(False)
+        warmup = max(cfg.trainer.optim.warmup_steps, 0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+
+    def build_model(self, load_weights: bool = True) -> torch.nn.Module:
+        """run_dir/model with its parameters in `trainer.master_dtype`. With FSDP2 it is sharded from the start: built
+        on the meta device, each rank reading only its shards of the safetensors (rlhpc/train/loading.py); one rank
+        without FSDP loads it whole."""
+        tcfg = self.cfg.trainer
+        if self.world > 1 or tcfg.fsdp:
+            return build_sharded(self.run.model, tcfg, self.device, load_weights=load_weights)
+        model = models.load_model(self.run.model, tcfg.master_dtype).to(self.device)
+        if tcfg.activation_checkpointing:
+            model.gradient_checkpointing_enable()
+        return model
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Shards (or prepares) a model already loaded whole: the path before sharded loading, which tests compare
+        build_model against."""
         if self.world > 1 or self.cfg.trainer.fsdp:
             from rlhpc.train.parallel import apply_fsdp
 
@@ -301,8 +336,9 @@ class Trainer:
             masks, _ = pad([batch.loss_mask[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()], 0)
             inf_lp, _ = pad([batch.logprobs[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()], 0)
             ids, attn = ids.to(self.device), attn.to(self.device)
-            logp, entropy = token_logprobs(self.model, ids, attn, cfg.algo.temperature, with_entropy=True,
-                                           chunk_tokens=cfg.trainer.logprob_chunk_tokens)
+            with autocast(cfg.trainer, self.device, self.model):  # one rank, mixed precision: the forward only
+                logp, entropy = token_logprobs(self.model, ids, attn, cfg.algo.temperature, with_entropy=True,
+                                               chunk_tokens=cfg.trainer.logprob_chunk_tokens)
             sel = masks[:, 1:].bool().to(self.device)
             row = torch.arange(len(samples), device=self.device).unsqueeze(1).expand_as(sel)[sel]
             inputs = LossInputs(
@@ -313,7 +349,7 @@ class Trainer:
                 num_samples=len(samples),
             )
             if self.reference is not None:
-                with torch.no_grad():
+                with torch.no_grad(), autocast(cfg.trainer, self.device, self.reference):
                     ref_lp, _ = token_logprobs(self.reference, ids, attn, cfg.algo.temperature,
                                                chunk_tokens=cfg.trainer.logprob_chunk_tokens)
                 inputs.reference_logprobs = ref_lp[sel]
@@ -363,7 +399,9 @@ class Trainer:
     def idle_pass(self) -> None:
         """A forward/backward that adds nothing to the gradients, for a rank with fewer micro-batches than others."""
         ids = torch.tensor([[self.tokenizer.pad_token_id, self.tokenizer.pad_token_id]], device=self.device)
-        logp, _ = token_logprobs(self.model, ids, torch.ones_like(ids), chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
+        with autocast(self.cfg.trainer, self.device, self.model):
+            logp, _ = token_logprobs(self.model, ids, torch.ones_like(ids),
+                                     chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
         (logp.sum() * 0.0).backward()
 
     def claim_stats(self, step: int, claim: Claim) -> Dict[str, float]:
@@ -386,14 +424,23 @@ class Trainer:
 
     # ---- weights out ---------------------------------------------------------------------------------------------------
 
+    @property
+    def serving_dtype(self) -> torch.dtype:
+        """What inference loads and receives (model.dtype), whatever the trainer's master dtype."""
+        return dtype_of(self.cfg.model.dtype)
+
     def full_state(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """(checkpoint name, full tensor): what save_pretrained would write, under its Hugging Face checkpoint names
-        (fused MoE experts split into per-expert views, rlhpc/names.py), one state tensor at a time. With FSDP2 each
-        parameter is all-gathered on demand: every rank must iterate the stream."""
+        (fused MoE experts split into per-expert views, rlhpc/names.py), one state tensor at a time, floating-point
+        tensors cast from the master copy to the serving dtype. With FSDP2 each parameter is cast as a shard, then
+        all-gathered on demand: every rank must iterate the stream."""
         from rlhpc.names import CheckpointNames, state_tensors
 
         names = CheckpointNames.of(self.model)
+        serving = self.serving_dtype
         for name, t in state_tensors(self.model):
+            if t.is_floating_point() and t.dtype != serving:
+                t = t.to(serving)
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
             yield from names.to_checkpoint(name, t)
@@ -410,21 +457,18 @@ class Trainer:
         if snap and version % snap == 0 and self.cfg.weights.transport == "broadcast":
             stream = list(stream)
             write_snapshot(self.run, version, stream)
-        self.sender.publish(version, stream, layout=checkpoint_layout(self.model))
+        self.sender.publish(version, stream, layout=checkpoint_layout(self.model, self.serving_dtype))
 
     def export(self, path) -> None:
-        """Hugging Face folder (safetensors, config, tokenizer) of the current weights. Collective with FSDP."""
-        if self.world > 1:  # gather the full weights into rank 0's plain copy
-            stream = self.full_state()
-            if self.is_main:
-                self.eval_engine.update_weights(stream)
-            else:
-                for _ in stream:
-                    pass
-        if self.is_main:
-            model = self.model if self.world == 1 else self.eval_engine.model
-            model.save_pretrained(path)
-            self.tokenizer.save_pretrained(path)
+        """Hugging Face folder (safetensors, config, tokenizer) of the current weights in the serving dtype, written by
+        rank 0 from the weights stream, one full tensor at a time (rlhpc/train/export.py). Collective with FSDP."""
+        stream = self.full_state()
+        if not self.is_main:
+            for _ in stream:  # take part in the all-gathers
+                pass
+            return
+        serving = self.serving_dtype
+        write_hf_folder(Path(path), self.model, serving, checkpoint_layout(self.model, serving), stream, self.tokenizer)
 
 
 def _tee_into(stream, engine: HFEngine):

@@ -1,0 +1,191 @@
+"""Peak resident memory of each trainer rank through model load, one RL step and a checkpoint, for 1, 2 and 4 ranks
+(FSDP2 over gloo, CPU), on a ~150M-parameter Qwen3 built in code and saved as Hugging Face safetensors.
+
+    python benchmarks/trainer_memory.py [--ranks 1 2 4] [--hidden 1024] [--layers 12] [--full-load]
+
+Each rank is a fresh process running the trainer's own code (`Trainer.setup_model`, `train_step`, `checkpoint.save`).
+Its baseline is the resident set (VmRSS) after imports, process group and trainer construction; then the kernel's
+high-water mark (VmHWM) is reset to it (/proc/self/clear_refs) and read after each phase, so each number is the peak so
+far. file-backed pages count (the safetensors a rank maps while it reads its rows). The model-state peak is the peak
+minus the baseline. The target: at N ranks a rank's peak <= (1/N) x the 1-rank model-state peak + a fixed overhead,
+so the ratio of model-state peaks (N ranks / 1 rank) should be about 1/N.
+
+The 1-rank run uses FSDP too (trainer.fsdp=true), the same sharded path. Every rank trains on one group of 2 samples,
+so the activations are the same at every N. Evaluation is off: with N > 1 the trainer also keeps a full copy of the
+model on rank 0 for evaluation (`eval_engine`; it moves off the trainer later), which `--eval-copy` adds to rank 0
+here. `--full-load` measures the path before sharded loading instead (every rank loads the whole model, then shards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MB = 1 << 20
+
+
+def _kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS
+        f.write("5")
+
+
+def _batch(vocab: int, groups: int, seed: int = 0):
+    from rlhpc.transport.queue import Group, RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    n = groups * 2
+    lengths = torch.randint(48, 64, (n,), generator=g)
+    offsets = torch.zeros(n + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    total = int(offsets[-1])
+    mask = torch.zeros(total, dtype=torch.bool)
+    for i in range(n):
+        mask[offsets[i] + 8: offsets[i + 1]] = True
+    return RolloutBatch(
+        tokens=torch.randint(3, vocab, (total,), generator=g), offsets=offsets,
+        logprobs=torch.where(mask, -torch.rand(total, generator=g) * 3, torch.zeros(total)), loss_mask=mask,
+        advantages=torch.randn(n, generator=g), group_of=torch.arange(groups).repeat_interleave(2),
+        groups=[Group(uid=str(i), env="t", task_id=str(i), version=0, num_samples=2, rewards=[0.0, 0.0],
+                      truncated=[False, False]) for i in range(groups)],
+    )
+
+
+def rank_main(root: str, rank: int, world: int, port: int, full_load: bool, eval_copy: bool, out) -> None:
+    try:
+        import torch.distributed as dist
+
+        from rlhpc import config as config_mod
+        from rlhpc import models
+        from rlhpc.identity import Identity
+        from rlhpc.rundir import RunDir
+        from rlhpc.train import checkpoint
+        from rlhpc.train.optim import make_optimizer
+        from rlhpc.train.trainer import Trainer
+
+        run = RunDir(Path(root))
+        cfg = config_mod.to_typed({"run_dir": root, "trainer": {
+            "num_ranks": world, "fsdp": True, "groups_per_step": world * 2, "micro_batch_tokens": 4096}})
+        tr = Trainer(cfg, Identity("trainer", rank, world, Path(root), "t", "127.0.0.1", port), run)
+        tr.tokenizer = models.load_tokenizer(run.model)
+        dist.barrier()
+        base = _kb("VmRSS")
+        _reset_peak()
+        t0 = time.time()
+        if full_load:  # the path before sharded loading: the whole model on every rank, then sharded
+            tr.model = tr.wrap(models.load_model(run.model))
+            tr.optimizer = make_optimizer(tr.model.parameters(), cfg.trainer.optim)
+            tr.scheduler = torch.optim.lr_scheduler.LambdaLR(tr.optimizer, lambda s: 1.0)
+            tr.reference = None
+        else:
+            tr.setup_model()
+        eval_model = models.load_model(run.model) if eval_copy and rank == 0 and world > 1 else None
+        dist.barrier()
+        peaks = {"load": _kb("VmHWM")}
+        t_load = time.time() - t0
+        stats = tr.train_step(0, _batch(len(tr.tokenizer), world))
+        dist.barrier()
+        peaks["step"] = _kb("VmHWM")
+        t_step = time.time() - t0 - t_load
+        checkpoint.save(run.checkpoints / f"ranks_{world}", 1, tr.model, tr.optimizer, tr.scheduler, {"eval_curve": []})
+        peaks["checkpoint"] = _kb("VmHWM")
+        t_ckpt = time.time() - t0 - t_load - t_step
+        params = sum(p.numel() for p in tr.model.parameters())
+        out.put(("ok", rank, {"base": base, **peaks, "loss": stats["loss/total"], "params": params,
+                              "times": (t_load, t_step, t_ckpt), "eval_copy": eval_model is not None}))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        out.put(("error", rank, traceback.format_exc()))
+
+
+def measure(root: str, world: int, full_load: bool, eval_copy: bool, timeout: float) -> list:
+    from rlhpc.procs import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(root, r, world, port, full_load, eval_copy, out), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world):
+            status, rank, value = out.get(timeout=timeout)
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} of {world} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=3072)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--full-load", action="store_true", help="measure the path before sharded loading")
+    ap.add_argument("--eval-copy", action="store_true", help="add rank 0's evaluation copy (N > 1), as train() does")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    args = ap.parse_args()
+
+    from rlhpc import models
+    from rlhpc.config import ModelConfig
+    from rlhpc.rundir import RunDir
+
+    with tempfile.TemporaryDirectory(prefix="rlhpc-trainer-memory-") as tmp:
+        RunDir(Path(tmp)).make()
+        cfg = ModelConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_layers=args.layers,
+                          num_heads=args.hidden // 64, num_kv_heads=args.hidden // 128)
+        t0 = time.time()
+        models.build(cfg, Path(tmp) / "model")
+        print(f"built the model in {time.time() - t0:.0f} s; safetensors "
+              f"{(Path(tmp) / 'model' / 'model.safetensors').stat().st_size / MB:.0f} MiB", flush=True)
+        rows = {}
+        for world in args.ranks:
+            rows[world] = measure(tmp, world, args.full_load, args.eval_copy, args.timeout)
+            r0 = rows[world][0]
+            print(f"{world} rank(s): {r0['params'] / 1e6:.1f}M parameters, loss {r0['loss']:.4f}, load/step/checkpoint "
+                  + " / ".join(f"{t:.1f}" for t in r0["times"]) + " s", flush=True)
+
+    path = "full load, then shard" if args.full_load else "sharded from the start"
+    print(f"\nPeak RSS per rank ({path}; gloo, CPU; evaluation copy {'on rank 0' if args.eval_copy else 'off'}), MiB:\n")
+    print("| ranks | rank | baseline | peak: load | peak: + RL step | peak: + checkpoint | model-state peak "
+          "| ratio to 1 rank | 1/N | peak - (1-rank model state)/N |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    one = None
+    if 1 in rows:
+        one = max(r["checkpoint"] - r["base"] for r in rows[1])
+    for world, ranks in rows.items():
+        for rank, r in enumerate(ranks):
+            state = r["checkpoint"] - r["base"]
+            ratio = f"{state / one:.3f}" if one else "-"
+            overhead = f"{(r['checkpoint'] - one / world) / 1024:.0f}" if one else "-"
+            print(f"| {world} | {rank} | {r['base'] / 1024:.0f} | {r['load'] / 1024:.0f} | {r['step'] / 1024:.0f} "
+                  f"| {r['checkpoint'] / 1024:.0f} | {state / 1024:.0f} | {ratio} | {1 / world:.3f} | {overhead} |")
+
+
+if __name__ == "__main__":
+    main()
