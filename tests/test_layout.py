@@ -13,7 +13,8 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "rlhpc"
 # Modules that need an optional dependency (vLLM) to import.
-OPTIONAL = {"rlhpc.infer.engines.vllm": "vllm", "rlhpc.infer.engines.disagg": "vllm"}
+OPTIONAL = {"rlhpc.infer.engines.vllm": "vllm", "rlhpc.infer.engines.disagg": "vllm",
+            "rlhpc.env.verifiers_harness": "verifiers"}
 
 
 def module_names() -> List[str]:

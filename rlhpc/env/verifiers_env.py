@@ -22,11 +22,14 @@ This module imports verifiers only when an environment is used: the rest of rlhp
 from __future__ import annotations
 
 import asyncio
+import importlib
 import itertools
 import logging
 import os
 import random
 import secrets
+import sys
+import threading
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -48,19 +51,22 @@ class VerifiersEnvironment(Environment):
     def __init__(self, id: str, env_id: str = "", taskset: Optional[Dict[str, Any]] = None,
                  harness: Optional[Dict[str, Any]] = None, runtime: Optional[Dict[str, Any]] = None,
                  agent: Optional[Dict[str, Any]] = None, env: Optional[Dict[str, Any]] = None, eval_size: int = 64,
-                 max_concurrent: int = 32, renderer: Optional[Dict[str, Any]] = None, reference_field: str = "",
+                 max_concurrent: int = 256, renderer: Optional[Dict[str, Any]] = None, reference_field: str = "",
                  **taskset_args: Any):
         """`id`: the taskset package; `env_id`: a verifiers Env to pair with it ("": the package's own, else the
         single-agent env); `taskset` and any other keyword: the taskset's own config keys; `harness` (default
-        {"id": "null"}, chat only), `runtime` (default {"type": "subprocess"}) and `agent` (max_turns, timeouts, ...):
-        the agent seat(s); `env`: further verifiers EnvConfig keys; `eval_size`: the first tasks are the held-out set;
-        `max_concurrent`: episodes in flight; `renderer`: a renderers config ("": chosen from the model);
-        `reference_field`: the task data field holding a correct answer, for the SFT warm start ("": none)."""
+        {"id": "rlhpc_chat"}, verifiers' chat loop in-process), `runtime` (default {"type": "subprocess"}) and `agent`
+        (max_turns, timeouts, ...): the agent seat(s); `env`: further verifiers EnvConfig keys; `eval_size`: the first
+        tasks are the held-out set; `max_concurrent`: episodes in flight; `renderer`: a renderers config ("": chosen
+        from the model); `reference_field`: the task data field holding a correct answer, for the SFT warm start
+        ("": none)."""
         self.id = id
         self.name = f"verifiers:{id}"
         self.env_id = env_id
         self.taskset_args = {**(taskset or {}), **taskset_args}
-        self.harness = harness or {"id": "null"}
+        # verifiers' chat loop in this process (rlhpc.env.verifiers_harness): ~25x cheaper per episode than the `null`
+        # harness's program per episode, with the same interception, traces and rewards.
+        self.harness = harness or {"id": "rlhpc_chat"}
         self.runtime = runtime or {"type": "subprocess"}
         self.agent = dict(agent or {})
         self.env_args = dict(env or {})
@@ -76,8 +82,17 @@ class VerifiersEnvironment(Environment):
 
     def verifiers_env(self) -> Any:
         if self._env is None:
+            # verifiers, its HTTP client and its interception server log every episode and request at INFO: thousands
+            # of lines a minute in the role's log. Their warnings and errors still come through.
+            for name in ("verifiers", "httpx", "aiohttp.access"):
+                if logging.getLogger(name).level == logging.NOTSET:
+                    logging.getLogger(name).setLevel(logging.WARNING)
             from verifiers.v1.configs.agent import agent_config_fields
             from verifiers.v1.utils.loaders import load_environment, resolve_env_config
+
+            # verifiers imports a harness by its id as a top-level module name: `rlhpc_chat` names rlhpc's, which
+            # lives inside the package, so it is registered under that name before verifiers looks for it.
+            sys.modules.setdefault("rlhpc_chat", importlib.import_module("rlhpc.env.verifiers_harness"))
 
             cfg = getattr(self, "config", None)  # rlhpc's EnvConfig (set by rlhpc.env.load)
             agent = {"harness": self.harness, "runtime": self.runtime, **self.agent}
@@ -158,7 +173,7 @@ class VerifiersEnvironment(Environment):
             async with env.serving():
                 return await asyncio.gather(*[one(t.data["vf"]) for t in tasks for _ in range(n)])
 
-        finished = iter(asyncio.run(run_all()))
+        finished = iter(_run(run_all()))
         return [[e for _ in range(n) for e in self.to_episodes(task, next(finished), version, tokenizer,
                                                                env_cfg.error_reward)]
                 for task in tasks]
@@ -234,6 +249,22 @@ class VerifiersEnvironment(Environment):
         if self._server is not None:
             self._server.close()
             self._server = None
+
+
+_LOOP: Optional[asyncio.AbstractEventLoop] = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _run(coro: Any) -> Any:
+    """Runs `coro` on this process's one event loop for verifiers episodes. Not a new loop per batch (asyncio.run):
+    the `renderers` client that verifiers' TrainClient uses holds a module-level asyncio.Lock, which binds to the loop
+    it is first contended in; on any later loop each contended call fails ("bound to a different event loop") and is
+    retried or lost. That happened whenever a new endpoint came up (each SFT validation's engine)."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP.is_closed():
+            _LOOP = asyncio.new_event_loop()
+        return _LOOP.run_until_complete(coro)
 
 
 # ---- a renderer that bridges turns for a plain chat template --------------------------------------------------------
