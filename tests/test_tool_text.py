@@ -13,8 +13,8 @@ import pytest
 def test_tool_text_learns_to_call_the_tool_and_rl_raises_held_out_reward(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "rlhpc.launch", "+exp=tool_text", f"run_dir={run_dir}", "trainer.steps=120",
-         "eval.interval=40", "launcher.progress=false"],
+        [sys.executable, "-m", "rlhpc.launch", "+exp=tool_text", f"run_dir={run_dir}", "trainer.steps=100",
+         "eval.interval=50", "launcher.progress=false"],
         capture_output=True, text=True, timeout=1500,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -22,8 +22,8 @@ def test_tool_text_learns_to_call_the_tool_and_rl_raises_held_out_reward(tmp_pat
     # The base model never calls the tool; SFT on trajectories teaches the call and partial competence.
     assert summary["heldout_reward_base"] < 0.05
     assert 0.2 <= summary["heldout_reward_sft"] <= 0.6, summary
-    # Measured: +0.10 after 120 steps (0.495 -> 0.595); the bound leaves room for seed noise.
-    assert summary["heldout_reward_rl"] >= summary["heldout_reward_sft"] + 0.04, summary
+    # Measured (docs/environments.md): +0.17 and +0.20 after 100 steps (0.406 -> 0.571, 0.603); the bound leaves room for seed noise.
+    assert summary["heldout_reward_rl"] >= summary["heldout_reward_sft"] + 0.08, summary
     rows = [json.loads(x) for x in (run_dir / "logs" / "inference-0.metrics.jsonl").read_text().splitlines()]
     last = rows[-1]
     # Every episode called the tool and took two turns; no environment call failed.
