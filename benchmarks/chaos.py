@@ -1,7 +1,7 @@
 """Chaos, measured: faults injected into a run, faults survived, groups lost and duplicated, and the final held-out
 reward next to an undisturbed run of the same seed.
 
-    python benchmarks/chaos.py                       # one undisturbed and one disturbed run (~3 min on 2 cores)
+    python benchmarks/chaos.py                       # one undisturbed and one disturbed run (~5 min on 2 cores)
     python benchmarks/chaos.py --repeats 3           # the spread of both, as docs/fault-tolerance.md reports it
     python benchmarks/chaos.py --model runs/x/model  # start RL from this SFT model instead of training one
 
@@ -27,8 +27,8 @@ from rlhpc.cluster.chaos import LocalChaos, account, heldout, rl_overrides, surv
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=30, help="RL steps of each run (default 30)")
-    ap.add_argument("--checkpoint-interval", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=70, help="RL steps of each run (default 70, as the test)")
+    ap.add_argument("--checkpoint-interval", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=1, help="pairs of runs (undisturbed, disturbed)")
     ap.add_argument("--seed", type=int, default=0, help="moments of the faults; repeat r uses seed + r")
     ap.add_argument("--model", type=Path, help="an SFT model folder to start RL from (default: train one)")

@@ -16,12 +16,15 @@ import pytest
 from rlhpc.cluster.chaos import LocalChaos, account, heldout, rl_overrides, survived, warm_start
 from test_launch import rlhpc_processes
 
-STEPS, CHECKPOINT = 30, 5
+STEPS, CHECKPOINT = 70, 10
 # |held-out reward of the disturbed run - that of the undisturbed run|, both RL from the same warm start with the same
-# seed. Provisional, from one measured pair (docs/fault-tolerance.md): warm start 0.429, undisturbed 0.468, disturbed
-# 0.503 (|difference| 0.035). At 30 steps RL gains about as much as that difference, so this tolerance alone does not
-# tell a run that trained on nothing from a good one; the test also checks that the disturbed run's weights moved.
-REWARD_TOLERANCE = 0.08
+# seed. Measured with `python benchmarks/chaos.py --steps 70 --checkpoint-interval 10 --repeats 3` (docs/
+# fault-tolerance.md): warm start 0.429; undisturbed 0.545 0.537 0.576, disturbed 0.524 0.561 0.549; the largest
+# |difference| of a pair 0.027, the undisturbed runs' own range 0.040 (async RL is not bitwise repeatable).
+REWARD_TOLERANCE = 0.06
+# Disturbed runs gained +0.086 to +0.132 over the warm start (those three and this test's own run): a disturbed run
+# must gain at least this much, so a run that trained on little or nothing fails even when its undisturbed twin is low.
+MIN_GAIN = 0.04
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +68,5 @@ def test_a_run_survives_killed_workers_a_killed_trainer_corrupt_files_and_a_froz
     print(f"held-out reward: warm start {sft:.3f}, undisturbed {calm_reward:.3f}, chaos {chaos_reward:.3f} "
           f"(tolerance {REWARD_TOLERANCE})")
     assert abs(chaos_reward - calm_reward) <= REWARD_TOLERANCE
-    # Unchanged weights give exactly the warm start's greedy reward: a run that trained on nothing fails here.
-    assert chaos_reward != sft
+    assert chaos_reward >= sft + MIN_GAIN
     assert rlhpc_processes(run_dir) == []
