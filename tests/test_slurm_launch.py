@@ -327,7 +327,11 @@ def test_a_failing_role_fails_the_job_promptly_with_its_error_and_log(cluster, t
     assert proc.returncode == 1
     (job_id,) = cluster.job_ids(run_dir)
     assert f"job {job_id} FAILED" in proc.stderr
-    assert re.search(r"inference rank \d failed: RuntimeError\('reward model exploded'\)", proc.stderr)
+    # The environment layer turns the reward's exception into a failed sample; a whole batch failing stops the run,
+    # naming the environment, the fraction and the first error (docs/environments.md).
+    assert re.search(r"inference rank \d failed: EnvironmentFailure\(.environment 'reverse_text': \d+ of \d+ samples "
+                     r"failed, more than env.max_error_fraction=0.5; first error \(task [^)]*\): CallFailed: RuntimeError: reward model "
+                     r"exploded.\)\n", proc.stderr), proc.stderr[-2000:]
     assert "Traceback" in proc.stderr  # the end of that role's log
     assert {state for _, state, _ in wait_final(job_id, timeout=60).values()} == {"FAILED"}
     assert "reward model exploded" in status(run_dir)

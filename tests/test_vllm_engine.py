@@ -185,7 +185,12 @@ def test_a_prompt_longer_than_max_model_len_is_refused_naming_the_keys(engine):
 def test_vllm_writes_its_caches_under_the_run_directory(engine, run_dir):
     for key in ("VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "TORCHINDUCTOR_CACHE_DIR", "VLLM_RPC_BASE_PATH"):
         assert Path(os.environ[key]).is_relative_to(run_dir / "vllm"), key
-    assert any((run_dir / "vllm" / "cache").iterdir())  # vLLM did write there
+    # vLLM's own view of where it writes. (What it writes at all depends on the process: its model-info cache file
+    # is written by the first engine of a process only, so the folder's contents are not asserted here.)
+    import vllm.envs
+
+    for key in ("VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "VLLM_RPC_BASE_PATH"):
+        assert Path(getattr(vllm.envs, key)).is_relative_to(run_dir / "vllm"), key
 
 
 def test_an_unknown_weight_update_path_is_refused_naming_the_key(model_dir, run_dir):

@@ -228,6 +228,9 @@ def check_failures(env: Environment, episodes: Sequence[Episode], max_fraction: 
     failed = [e for e in episodes if e.error is not None]
     if episodes and len(failed) > max_fraction * len(episodes):
         first = failed[0]
+        # The one-line report names the error; its traceback (from a pool process) goes to the role's log.
+        log.error("first failed sample (task %s): %s", first.task.id, first.error)
+        headline = (first.error.strip().splitlines() or [""])[0]
         raise EnvironmentFailure(
             f"environment {env.name!r}: {len(failed)} of {len(episodes)} samples failed, more than "
-            f"env.max_error_fraction={max_fraction:g}; first error (task {first.task.id}): {first.error}")
+            f"env.max_error_fraction={max_fraction:g}; first error (task {first.task.id}): {headline}")
