@@ -362,8 +362,6 @@ def prepare_harness() -> str:
 
 
 if __name__ == "__main__":
-    import sys
-
     if sys.argv[1:] != ["--prepare"]:
         sys.exit("usage: python -m rlhpc.env.verifiers_env --prepare")
     print(f"verifiers chat harness program ready: {prepare_harness()}")
