@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
 TAIL_LINES = 20
+
+
+def node_address() -> str:
+    """This node's address as other nodes reach it: the hostname's address under Slurm, loopback otherwise."""
+    if os.environ.get("SLURM_JOB_ID"):
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            pass
+    return "127.0.0.1"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -161,29 +161,26 @@ class Batcher:
                 if first is None:
                     return
                 backlog.append(first)
-                deadline = time.monotonic() + self.window_s
-                while True:  # a few milliseconds for other clients' requests to join
-                    left = deadline - time.monotonic()
-                    try:
-                        item = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is None:
-                        self._fail(backlog, RuntimeError("the server is shutting down"))
-                        return
-                    backlog.append(item)
-            else:  # what arrived while the engine was busy joins at once
-                while True:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is None:
-                        self._fail(backlog, RuntimeError("the server is shutting down"))
-                        return
-                    backlog.append(item)
+                window = self.window_s  # a few milliseconds for other clients' requests to join
+            else:
+                window = 0.0  # what arrived while the engine was busy joins at once
+            if not self._take_arrivals(backlog, time.monotonic() + window):
+                self._fail(backlog, RuntimeError("the server is shutting down"))
+                return
             call, backlog = self._next_call(backlog)
             self._generate(call)
+
+    def _take_arrivals(self, backlog: List[_Request], deadline: float) -> bool:
+        """Moves requests from the queue to `backlog` until the queue is empty at `deadline`; False on shutdown."""
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                item = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            if item is None:
+                return False
+            backlog.append(item)
 
     def _next_call(self, backlog: List[_Request]) -> Tuple[List[_Request], List[_Request]]:
         """The requests of the next engine call (the oldest request's bucket, as many as fit) and the rest."""

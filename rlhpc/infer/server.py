@@ -47,6 +47,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 from rlhpc.infer.batcher import Batcher, Sampling, SharedEngine
 from rlhpc.infer.engines import Completion, Engine
 from rlhpc.rundir import RunDir, read_json, wait_for, write_json
+from rlhpc.procs import node_address as this_node_address
 
 log = logging.getLogger(__name__)
 
@@ -657,17 +658,9 @@ def endpoint(run_dir: str | Path, rank: int = 0) -> Endpoint:
 def node_address(host: str = "") -> Tuple[str, str]:
     """(address to bind, address to publish): `host` if given (0.0.0.0 publishes this node's address), else this
     node's address under Slurm, loopback otherwise."""
-    def this_node() -> str:
-        if os.environ.get("SLURM_JOB_ID"):
-            try:
-                return socket.gethostbyname(socket.gethostname())
-            except OSError:
-                pass
-        return "127.0.0.1"
-
     if host in ("0.0.0.0", "::"):
-        return host, this_node()
-    bind = host or this_node()
+        return host, this_node_address()
+    bind = host or this_node_address()
     return bind, bind
 
 

@@ -20,7 +20,6 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -33,6 +32,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from rlhpc.dtypes import dtype_of
+from rlhpc.procs import node_address
 from rlhpc.rundir import RunDir, fsync_dir, read_json, wait_for, write_json
 
 log = logging.getLogger(__name__)
@@ -182,18 +182,6 @@ def _numel(shape: List[int]) -> int:
     return n
 
 
-def _host() -> str:
-    override = os.environ.get("RLHPC_WEIGHTS_HOST")
-    if override:
-        return override
-    if os.environ.get("SLURM_JOB_ID"):
-        try:
-            return socket.gethostbyname(socket.gethostname())
-        except OSError:
-            pass
-    return "127.0.0.1"
-
-
 class BroadcastSender(WeightsSender):
     """Trainer rank 0's end of the weights group (group rank 0)."""
 
@@ -204,7 +192,7 @@ class BroadcastSender(WeightsSender):
         self.bucket_bytes = bucket_mb << 20
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.size = num_receivers + 1
-        host = os.environ.get("RLHPC_WEIGHTS_HOST") or host or _host()
+        host = os.environ.get("RLHPC_WEIGHTS_HOST") or host or node_address()
         self.store = dist.TCPStore(host, 0, self.size, True, timeout=self.timeout, wait_for_workers=False)
         self.token = secrets.token_hex(16)
         write_json(
