@@ -12,7 +12,7 @@ so the ratio of model-state peaks (N ranks / 1 rank) should be about 1/N.
 
 The 1-rank run uses FSDP too (trainer.fsdp=true), the same sharded path. Every rank trains on one group of 2 samples,
 so the activations are the same at every N. Evaluation is off: with N > 1 the trainer also keeps a full copy of the
-model on rank 0 for evaluation (`eval_engine`; it moves off the trainer later), which `--eval-copy` adds to rank 0
+model on rank 0 for evaluation (`Trainer.evaluator.engine`; it moves off the trainer later), which `--eval-copy` adds to rank 0
 here. `--full-load` measures the path before sharded loading instead (every rank loads the whole model, then shards).
 """
 

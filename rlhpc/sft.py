@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from itertools import islice
 
 import torch
 
@@ -25,8 +24,10 @@ def main() -> None:
     from rlhpc import models
     from rlhpc.infer.engines.hf import HFEngine
     from rlhpc.infer.rollout import evaluate
-    from rlhpc.launch import CONF_DIR, prepare_run_dir
+    from rlhpc.config import CONF_DIR
+    from rlhpc.preflight import prepare_run_dir
     from rlhpc.rundir import RunDir, write_json
+    from rlhpc.train.evaluation import heldout_tasks
     from rlhpc.train.warmstart import sft_train
 
     config_mod.register()
@@ -42,7 +43,7 @@ def main() -> None:
         base = cfg.model.path or str(models.build(cfg.model, run.root / "base_model"))
         model, tok = models.load_model(base, cfg.model.dtype), models.load_tokenizer(base)
         env = env_mod.load(cfg.env)
-        eval_tasks = list(islice(env.tasks("eval", 0), cfg.eval.num_tasks))
+        eval_tasks = heldout_tasks(env, cfg)
         engine = HFEngine(model, tok.pad_token_id)
         before = evaluate(engine, env, tok, eval_tasks, cfg.env)
         t0 = time.time()

@@ -31,13 +31,10 @@ def _step_and_export(root: Path, rank: int, world: int, port: int):
     """One training step (optimizer included), then the trained model's logits and the final export."""
     import torch.distributed as dist
 
-    from rlhpc.infer.engines.hf import HFEngine
     from rlhpc.names import checkpoint_layout
 
     torch.manual_seed(0)
     tr = _trainer(root, rank, world, port, {"trainer": {"micro_batch_tokens": 64 if world > 1 else 100000}})
-    if rank == 0:  # as Trainer.train sets it up: with FSDP the export gathers into this plain copy
-        tr.eval_engine = HFEngine(models.load_model(tr.run.model), tr.tokenizer.pad_token_id)
     stats = tr.train_step(0, make_batch(len(tr.tokenizer)))
     grads = {n: None if p.grad is None else _full(p.grad).numpy().copy() for n, p in tr.model.named_parameters()}
     with torch.no_grad():

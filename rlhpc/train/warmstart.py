@@ -1,27 +1,89 @@
-"""Supervised fine-tuning on reference answers: the warm start before RL (standalone: `python -m rlhpc.sft`)."""
+"""Supervised fine-tuning on reference answers: the warm start before RL (standalone: `python -m rlhpc.sft`).
+
+Before RL, trainer rank 0 makes run_dir/model, the Hugging Face folder RL starts from, and marks it READY with the
+warm start's results; the other ranks wait for it. A relaunched run finds READY and warm-starts no more.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
 from itertools import islice
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from rlhpc import models
 from rlhpc.train.batching import pad, token_logprobs
 from rlhpc.config import Config
 from rlhpc.env import Environment
 from rlhpc.env.episode import Renderer
+from rlhpc.infer.engines.hf import HFEngine
+from rlhpc.infer.rollout import evaluate
+from rlhpc.metrics import Metrics
+from rlhpc.rundir import RunDir, read_json, wait_for, write_json
+from rlhpc.stop import Stop, stop_requested
+from rlhpc.train.evaluation import heldout_tasks
 from rlhpc.train.optim import make_optimizer
 
 log = logging.getLogger(__name__)
 
 
+def start_model(cfg: Config, run: RunDir, env: Environment, metrics: Optional[Metrics], rank: int) -> Dict:
+    """Rank 0 makes run_dir/model (the HF folder RL starts from); other ranks wait for it. Returns the warm start's
+    results (the run's summary so far); raises Stop when asked to stop meanwhile."""
+    ready = run.model / "READY"
+    if rank == 0 and not ready.exists():
+        write_json(ready, warm_start(cfg, run, env, metrics, rank))
+
+    def abort() -> Optional[str]:
+        if stop_requested():
+            raise Stop(stop_requested())
+        return run.failure()
+
+    wait_for(ready.exists, cfg.inference.startup_timeout_s, f"{ready} (the SFT warm start on trainer rank 0)",
+             abort=abort)
+    return read_json(ready)
+
+
+def warm_start(cfg: Config, run: RunDir, env: Environment, metrics: Metrics, rank: int) -> Dict:
+    """SFT from the base model (built from `model` when `model.path` is empty) into run_dir/model; the held-out reward
+    before and after, and the SFT steps and time."""
+    base = cfg.model.path or str(models.build(cfg.model, run.root / "base_model"))
+    if cfg.sft.steps == 0:
+        # Nothing to train: RL starts from the base checkpoint's files as they are, and no full model is loaded
+        # here; the trainer measures the starting held-out reward with the evaluator it has anyway.
+        models.copy_checkpoint(base, run.model)
+        return {"sft_steps": 0, "sft_wall_time_s": 0.0}
+    model, tok = models.load_model(base, cfg.model.dtype), models.load_tokenizer(base)
+    engine = HFEngine(model, tok.pad_token_id)
+    tasks = heldout_tasks(env, cfg)
+    out: Dict = {"heldout_reward_base": evaluate(engine, env, tok, tasks, cfg.env)}
+    t0 = time.time()
+
+    def on_step(s: int, loss: float) -> None:
+        if stop_requested():
+            raise Stop(stop_requested())
+        metrics.log(s + 1, {"sft/loss": loss})
+        if s % 20 == 0:
+            run.heartbeat("trainer", rank, phase="sft", sft_step=s, sft_steps=cfg.sft.steps, loss=loss)
+
+    def on_check(s: int, reward: float) -> None:
+        metrics.log(s, {"sft/validation_reward": reward})
+
+    losses = sft_train(model, tok, env, cfg, on_step=on_step, on_check=on_check)
+    out["sft_steps"] = len(losses)
+    out["heldout_reward_sft"] = evaluate(engine, env, tok, tasks, cfg.env)
+    out["sft_wall_time_s"] = time.time() - t0
+    log.info("warm start: held-out reward %.3f -> %.3f after %d SFT steps (%.1fs)", out["heldout_reward_base"],
+             out["heldout_reward_sft"], out["sft_steps"], out["sft_wall_time_s"])
+    model.save_pretrained(run.model)
+    tok.save_pretrained(run.model)
+    return out
+
+
 def validation_reward(model: torch.nn.Module, tokenizer, env: Environment, cfg: Config) -> float:
     """Greedy reward on fixed train-distribution tasks (a validation set; the held-out eval set is never used here)."""
-    from rlhpc.infer.engines.hf import HFEngine
-    from rlhpc.infer.rollout import evaluate
-
     tasks = list(islice(env.tasks("train", seed=cfg.seed + 104729), cfg.sft.validation_tasks))
     return evaluate(HFEngine(model, tokenizer.pad_token_id), env, tokenizer, tasks, cfg.env)
 

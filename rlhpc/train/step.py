@@ -1,0 +1,136 @@
+"""One RL optimizer step, on every trainer rank: this rank's token-balanced share of the claimed batch, forward and
+backward in micro-batches, the gradients clipped and applied (or dropped when not finite: rlhpc/train/guard.py), and
+the step's statistics reduced over ranks, so every rank reports and decides the same."""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from rlhpc.algo import loss as loss_mod
+from rlhpc.algo.loss import LossInputs
+from rlhpc.config import Config
+from rlhpc.train.batching import balance_ranks, pad, plan_micro_batches, token_logprobs
+from rlhpc.train.guard import BadSteps, nonfinite_advantages, nonfinite_groups, nonfinite_update
+from rlhpc.train.parallel import autocast
+from rlhpc.transport.queue import RolloutBatch
+
+
+class Step:
+    """What stays the same from step to step: the config, this rank's place in the world, the loss, the bad-step count.
+    The model and its optimizer are the trainer's fields, passed in at each call."""
+
+    def __init__(self, cfg: Config, rank: int, world: int, device: torch.device, bad_steps: BadSteps):
+        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.bad_steps = bad_steps
+        self.loss_fn = loss_mod.get(cfg.algo.name)
+
+    def __call__(self, step: int, batch: RolloutBatch, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler, reference: Optional[torch.nn.Module], pad_id: int) -> Dict[str, float]:
+        t0 = time.time()
+        cfg = self.cfg
+        mine = balance_ranks(batch.lengths, batch.group_of, self.world)[self.rank]
+        lengths = batch.lengths[mine]
+        # Loss weights: the whole step sums to a mean over tokens (or sequences) of all ranks.
+        loss_tokens_per_sample = torch.stack(
+            [batch.loss_mask[batch.offsets[i] + 1 : batch.offsets[i + 1]].sum() for i in mine.tolist()]
+        ) if mine.numel() else torch.zeros(0, dtype=torch.long)
+        tokens = torch.tensor([float(loss_tokens_per_sample.sum())])
+        if self.world > 1:
+            dist.all_reduce(tokens)  # loss tokens of the whole step (the sample count is global already)
+        total_tokens, total_samples = max(float(tokens[0]), 1.0), float(batch.num_samples)
+
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        bad = nonfinite_advantages(batch)  # the same batch on every rank: all ranks skip together
+        if bad is not None:
+            self.bad_steps.skipped(step, bad, nonfinite_groups(batch))
+            return {"loss/total": float("nan"), "grad_norm": float("nan"), "train/skipped": 1.0,
+                    "train/bad_steps": float(self.bad_steps.total), "perf/train_s": time.time() - t0}
+        sums: Dict[str, float] = {}
+        n_loss_tokens = 0
+        plan = plan_micro_batches(lengths, cfg.trainer.micro_batch_tokens)
+        if self.world > 1:  # every rank runs as many forward/backward passes (FSDP's collectives must pair up)
+            n = torch.tensor([len(plan)])
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+            plan += [None] * (int(n) - len(plan))
+        for mb in plan:
+            if mb is None:
+                self.idle_pass(model, pad_id)
+                continue
+            samples = mine[mb]
+            seqs = [batch.tokens[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()]
+            ids, attn = pad(seqs, pad_id)
+            masks, _ = pad([batch.loss_mask[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()], 0)
+            inf_lp, _ = pad([batch.logprobs[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()], 0)
+            ids, attn = ids.to(self.device), attn.to(self.device)
+            with autocast(cfg.trainer, self.device, model):  # one rank, mixed precision: the forward only
+                logp, entropy = token_logprobs(model, ids, attn, cfg.algo.temperature, with_entropy=True,
+                                               chunk_tokens=cfg.trainer.logprob_chunk_tokens)
+            sel = masks[:, 1:].bool().to(self.device)
+            row = torch.arange(len(samples), device=self.device).unsqueeze(1).expand_as(sel)[sel]
+            inputs = LossInputs(
+                logprobs=logp[sel],
+                inference_logprobs=inf_lp[:, 1:].to(self.device)[sel],
+                advantages=batch.advantages[samples].to(self.device)[row],
+                sample_index=row,
+                num_samples=len(samples),
+            )
+            if reference is not None:
+                with torch.no_grad(), autocast(cfg.trainer, self.device, reference):
+                    ref_lp, _ = token_logprobs(reference, ids, attn, cfg.algo.temperature,
+                                               chunk_tokens=cfg.trainer.logprob_chunk_tokens)
+                inputs.reference_logprobs = ref_lp[sel]
+            out = self.loss_fn(inputs, cfg.algo)
+            weight = loss_mod.token_weights(inputs, cfg.algo.normalize, total_tokens, total_samples,
+                                            cfg.env.max_new_tokens)
+            loss = (out.token_loss * weight).sum() * self.world  # FSDP averages gradients over ranks
+            loss.backward()
+            k = int(sel.sum())
+            n_loss_tokens += k
+            sums["loss/total"] = sums.get("loss/total", 0.0) + float(loss.detach()) / self.world
+            sums["entropy"] = sums.get("entropy", 0.0) + float(entropy[sel].sum())
+            for name, v in out.metrics.items():
+                sums[f"loss/{name}"] = sums.get(f"loss/{name}", 0.0) + float(v) * k
+        if self.world > 1:  # the step's statistics over all ranks
+            keys = sorted(sums)
+            packed = torch.tensor([sums[k] for k in keys] + [float(n_loss_tokens)], dtype=torch.float64)
+            dist.all_reduce(packed)
+            sums = dict(zip(keys, packed[:-1].tolist()))
+            n_loss_tokens = int(packed[-1])
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.optim.max_grad_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        # Loss and norm are reduced over ranks, so every rank takes the same decision.
+        bad = nonfinite_update(sums.get("loss/total", 0.0), float(grad_norm))
+        if bad is None:
+            optimizer.step()
+            scheduler.step()
+            self.bad_steps.applied()
+        else:  # drop the gradients; the weights stay those of version `step`
+            optimizer.zero_grad(set_to_none=True)
+            self.bad_steps.skipped(step, bad, nonfinite_groups(batch))
+        stats = {"loss/total": sums.get("loss/total", 0.0)}
+        for k_, v in sums.items():
+            if k_ != "loss/total":
+                stats[k_] = v / max(n_loss_tokens, 1)
+        dt = time.time() - t0
+        stats.update({
+            "grad_norm": float(grad_norm),
+            "train/skipped": float(bad is not None),
+            "train/bad_steps": float(self.bad_steps.total),
+            "perf/train_s": dt,
+            "perf/tokens_per_s": float(batch.tokens.numel()) / dt,
+            "perf/loss_tokens": float(total_tokens),
+        })
+        return stats
+
+    def idle_pass(self, model: torch.nn.Module, pad_id: int) -> None:
+        """A forward/backward that adds nothing to the gradients, for a rank with fewer micro-batches than others."""
+        ids = torch.tensor([[pad_id, pad_id]], device=self.device)
+        with autocast(self.cfg.trainer, self.device, model):
+            logp, _ = token_logprobs(model, ids, torch.ones_like(ids),
+                                     chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
+        (logp.sum() * 0.0).backward()
