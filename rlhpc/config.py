@@ -7,12 +7,16 @@ or a value of the wrong type fails at composition time with a message that names
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+# The Hydra config folder (conf/ beside the package; RLHPC_CONF_DIR points elsewhere).
+CONF_DIR = Path(os.environ.get("RLHPC_CONF_DIR", Path(__file__).resolve().parents[1] / "conf"))
 
 
 @dataclass
@@ -215,8 +219,8 @@ class InferenceConfig:
     # and the trainer claimed no step (0: wait forever).
     idle_timeout_s: float = 1800.0
     # A worker that dies is started again, up to this many times per worker (by the local launcher, or inside the
-    # Slurm job by its task; with weights.transport=filesystem: it rejoins at the newest snapshot); 0: a dead worker
-    # ends the run.
+    # Slurm job by its task); it rejoins at the next update (broadcast) or the newest snapshot (filesystem). 0: a dead
+    # worker ends the run.
     max_restarts: int = 0
     # ---- vLLM-only settings (ignored by the transformers engine) ----
     tensor_parallel_size: int = 1
@@ -273,7 +277,11 @@ class WeightsConfig:
     bucket_mb: int = 64
     # Also write a filesystem snapshot every this many versions, for late joiners (0: initial and final only).
     snapshot_interval: int = 0
+    # Seconds to wait for every first member of the weights group (workers start after the SFT warm start).
     timeout_s: float = 600.0
+    # Seconds one broadcast (or forming the group) may wait for a member; a member that takes longer (stalled, or its
+    # node gone without closing its connections) is left out and joins again at a later update.
+    member_timeout_s: float = 60.0
 
 
 @dataclass
@@ -387,6 +395,9 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
+    # "inference": add inference workers to the running run in run_dir (its saved config.yaml holds the rest; see
+    # docs/fault-tolerance.md); None: launch (or resume) the run itself.
+    attach: Optional[str] = None
 
 
 def register() -> None:
@@ -434,6 +445,7 @@ def validate(cfg: Config) -> None:
         for part in key.split("."):
             value = getattr(value, part)
         need(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
+    need(cfg.attach in (None, "inference"), "attach", f"{cfg.attach!r} is not one of: inference (or unset)")
     need(cfg.async_level >= 0, "async_level", "must be >= 0")
     need(cfg.algo.group_size >= 2, "algo.group_size", "needs at least 2 completions per task for a group baseline")
     need(cfg.algo.temperature > 0, "algo.temperature", "must be > 0 for sampling")
@@ -486,10 +498,7 @@ def validate(cfg: Config) -> None:
     need(cfg.queue.keep_quarantined >= 0, "queue.keep_quarantined", "must be >= 0")
     need(cfg.inference.idle_timeout_s >= 0, "inference.idle_timeout_s", "must be >= 0 (0: wait forever)")
     need(cfg.inference.max_restarts >= 0, "inference.max_restarts", "must be >= 0")
-    if cfg.inference.max_restarts:
-        need(cfg.weights.transport == "filesystem", "inference.max_restarts",
-             "restarted workers rejoin through weights snapshots, and the broadcast group's members are fixed when it "
-             "forms: set weights.transport=filesystem (docs/fault-tolerance.md)")
+    need(cfg.weights.member_timeout_s > 0, "weights.member_timeout_s", "must be > 0")
     need(cfg.eval.num_tasks >= 1, "eval.num_tasks", "must be >= 1")
     need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
     need(cfg.env.max_new_tokens >= 1, "env.max_new_tokens", "must be >= 1")

@@ -24,6 +24,9 @@ class Identity:
     # How many times this process was restarted after dying (inference.max_restarts), and how many restarts are left.
     restart: int = 0
     restarts_left: int = 0
+    # An inference worker added to a running run (`+attach=inference`, rlhpc.cluster.attach): it joins the weights
+    # group at whatever attempt the run is in, and its failure is its own (it never marks the run failed).
+    attached: bool = False
 
 
 def identity_from_env(env=os.environ) -> Identity:
@@ -38,4 +41,5 @@ def identity_from_env(env=os.environ) -> Identity:
         master_port=int(env.get("MASTER_PORT", "29500")),
         restart=int(env.get("RLHPC_RESTART", "0")),
         restarts_left=int(env.get("RLHPC_RESTARTS_LEFT", "0")),
+        attached=env.get("RLHPC_ATTACH") == "1",
     )

@@ -8,79 +8,23 @@ everywhere.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import sys
-import time
-from pathlib import Path
 from typing import List, Optional
 
 from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
 from rlhpc import config as config_mod
 from rlhpc import preflight
-from rlhpc.config import Config, ConfigError
-from rlhpc.rundir import RunDir
-
-CONF_DIR = Path(os.environ.get("RLHPC_CONF_DIR", Path(__file__).resolve().parents[1] / "conf"))
+from rlhpc.config import CONF_DIR, Config, ConfigError
+from rlhpc.preflight import RunDirError, prepare_run_dir
 
 
-class RunDirError(RuntimeError):
-    pass
+def launch(cfg: Config, overrides: Optional[List[str]] = None) -> int:
+    """Starts (or resumes) the run of `cfg`; with `attach=inference`, adds workers to the run in run_dir instead, taking
+    from the command line (`overrides`, as given) only its inference-side keys (rlhpc.cluster.attach)."""
+    if cfg.attach is not None:
+        from rlhpc.cluster.attach import attach
 
-
-def prepare_run_dir(cfg: Config) -> RunDir:
-    """Creates the run directory and writes config.yaml. Refuses a directory holding a finished run unless
-    `overwrite=true`; a directory of an unfinished run is resumed, but refused if its saved config differs in a key that
-    changes training, unless `resume.allow_config_change=true`."""
-    run = RunDir(Path(cfg.run_dir))
-    if run.summary.exists() or run.done.exists():
-        if not cfg.overwrite:
-            raise RunDirError(
-                f"run_dir={run.root} already holds a finished run (summary.json); pass another run_dir=... "
-                f"or overwrite=true to replace it"
-            )
-        shutil.rmtree(run.root)
-    elif run.root.exists() and any(run.root.iterdir()) and not run.config.exists():
-        raise RunDirError(f"run_dir={run.root} is not empty and is not an rlhpc run directory; choose another run_dir")
-    elif run.config.exists():
-        check_resume(run, cfg)
-    run.make()
-    for stale in (run.failed,):
-        stale.unlink(missing_ok=True)
-    config_mod.save(cfg, run.config)
-    return run
-
-
-def check_resume(run: RunDir, cfg: Config) -> None:
-    """An unfinished run that has trained (a warm-started model or a checkpoint) resumes only with the config it
-    trained with, as far as training goes (rlhpc.preflight.RUNTIME_KEYS may change)."""
-    from omegaconf import OmegaConf
-
-    if not ((run.model / "READY").exists() or (run.checkpoints / "latest.json").exists()):
-        return  # nothing trained yet: a relaunch after a failed start may change anything
-    try:
-        saved = OmegaConf.load(run.config)
-    except Exception as e:  # noqa: BLE001
-        raise RunDirError(f"run_dir={run.root}: its config.yaml cannot be read ({preflight.one_line(e)}); "
-                          f"choose another run_dir") from None
-    changes = preflight.training_changes(saved, cfg)
-    if not changes:
-        return
-    listing = "".join(f"\n  {k}: {old!r} -> {new!r}" for k, old, new in changes)
-    if not cfg.resume.allow_config_change:
-        raise RunDirError(
-            f"run_dir={run.root} holds an unfinished run whose config differs in keys that change training:{listing}"
-            f"\nresume it with its own values, pass resume.allow_config_change=true to train on with the new ones, "
-            f"or choose another run_dir"
-        )
-    print(f"warning: resuming run_dir={run.root} with a changed config (resume.allow_config_change=true):{listing}",
-          file=sys.stderr)
-    with open(run.root / "config_changes.jsonl", "a") as f:
-        f.write(json.dumps({"time": time.time(), "changes": [[k, o, n] for k, o, n in changes]}, default=str) + "\n")
-
-
-def launch(cfg: Config) -> int:
+        return attach(cfg, overrides)
     config_mod.validate(cfg)
     # The model, the environment and the loss, before anything starts (a dry run may plan for a model.path that only
     # the cluster's filesystem holds).
@@ -158,9 +102,11 @@ def main() -> None:
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _main(dcfg) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
         try:
             cfg = config_mod.to_typed(dcfg)
-            code = launch(cfg)
+            code = launch(cfg, list(HydraConfig.get().overrides.task))
         except (ConfigError, RunDirError) as e:
             print(f"error: {e}", file=sys.stderr)
             code = 2
@@ -172,7 +118,6 @@ def main() -> None:
             print(f"error: {config_key_error(e)}", file=sys.stderr)
             code = 2
         if code:
-            from hydra.core.hydra_config import HydraConfig
             from hydra.types import RunMode
 
             if HydraConfig.get().mode == RunMode.MULTIRUN:  # one bad point does not end the sweep

@@ -10,13 +10,19 @@ mistake costs seconds at the terminal, not a queue wait and a failed job. Every 
 
 from __future__ import annotations
 
+import json
+import shutil
+import sys
+import time
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, List, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlhpc import config as config_mod
 from rlhpc.config import Config, ConfigError
+from rlhpc.rundir import RunDir
 
 
 def check(cfg: Config, model: bool = True) -> None:
@@ -143,3 +149,61 @@ def _leaves(obj: Any, prefix: str = "") -> List[Tuple[str, Any]]:
         else:
             out.append((f"{prefix}{f.name}", v))
     return out
+
+
+# ---- the run directory ---------------------------------------------------------------------------------------------
+
+
+class RunDirError(RuntimeError):
+    pass
+
+
+def prepare_run_dir(cfg: Config) -> RunDir:
+    """Creates the run directory and writes config.yaml. Refuses a directory holding a finished run unless
+    `overwrite=true`; a directory of an unfinished run is resumed, but refused if its saved config differs in a key that
+    changes training, unless `resume.allow_config_change=true`."""
+    run = RunDir(Path(cfg.run_dir))
+    if run.summary.exists() or run.done.exists():
+        if not cfg.overwrite:
+            raise RunDirError(
+                f"run_dir={run.root} already holds a finished run (summary.json); pass another run_dir=... "
+                f"or overwrite=true to replace it"
+            )
+        shutil.rmtree(run.root)
+    elif run.root.exists() and any(run.root.iterdir()) and not run.config.exists():
+        raise RunDirError(f"run_dir={run.root} is not empty and is not an rlhpc run directory; choose another run_dir")
+    elif run.config.exists():
+        check_resume(run, cfg)
+    run.make()
+    for stale in (run.failed,):
+        stale.unlink(missing_ok=True)
+    config_mod.save(cfg, run.config)
+    return run
+
+
+def check_resume(run: RunDir, cfg: Config) -> None:
+    """An unfinished run that has trained (a warm-started model or a checkpoint) resumes only with the config it
+    trained with, as far as training goes (rlhpc.preflight.RUNTIME_KEYS may change)."""
+    from omegaconf import OmegaConf
+
+    if not ((run.model / "READY").exists() or (run.checkpoints / "latest.json").exists()):
+        return  # nothing trained yet: a relaunch after a failed start may change anything
+    try:
+        saved = OmegaConf.load(run.config)
+    except Exception as e:  # noqa: BLE001
+        raise RunDirError(f"run_dir={run.root}: its config.yaml cannot be read ({one_line(e)}); "
+                          f"choose another run_dir") from None
+    changes = training_changes(saved, cfg)
+    if not changes:
+        return
+    listing = "".join(f"\n  {k}: {old!r} -> {new!r}" for k, old, new in changes)
+    if not cfg.resume.allow_config_change:
+        raise RunDirError(
+            f"run_dir={run.root} holds an unfinished run whose config differs in keys that change training:{listing}"
+            f"\nresume it with its own values, pass resume.allow_config_change=true to train on with the new ones, "
+            f"or choose another run_dir"
+        )
+    print(f"warning: resuming run_dir={run.root} with a changed config (resume.allow_config_change=true):{listing}",
+          file=sys.stderr)
+    with open(run.root / "config_changes.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.time(), "changes": [[k, o, n] for k, o, n in changes]}, default=str) + "\n")

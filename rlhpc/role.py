@@ -34,7 +34,8 @@ def identity() -> Identity:
 def main() -> int:
     ident = identity()
     run = RunDir(ident.run_dir)
-    cfg = config_mod.load(run.root)
+    # Attached workers (rlhpc.cluster.attach) read the run's config with their command line's inference keys.
+    cfg = config_mod.load(os.environ.get("RLHPC_CONFIG_DIR") or run.root)
     setup_logging(run, ident, cfg.log_level)
     install_stop_handlers()
     log = logging.getLogger("rlhpc.role")
@@ -58,8 +59,8 @@ def main() -> int:
     except BaseException as e:
         log.exception("%s rank %d failed", ident.role, ident.rank)
         # The first failure is the cause; later ones are consequences. A worker the launcher will restart has not
-        # failed the run.
-        if not run.failed.exists() and not ident.restarts_left:
+        # failed the run, nor has an attached worker (its attach command reports it).
+        if not run.failed.exists() and not ident.restarts_left and not ident.attached:
             write_json(run.failed, {"role": ident.role, "rank": ident.rank, "error": repr(e)}, durable=False)
         return 1
     log.info("%s rank %d finished", ident.role, ident.rank)

@@ -63,7 +63,7 @@ def main() -> None:
 
     from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
     from rlhpc import config as config_mod
-    from rlhpc.launch import CONF_DIR
+    from rlhpc.config import CONF_DIR
     from rlhpc.rundir import RunDir
 
     config_mod.register()

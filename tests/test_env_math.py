@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from rlhpc import config as config_mod
 from rlhpc.config import EnvConfig, to_typed
 from rlhpc.env import Task, load
-from rlhpc.launch import CONF_DIR
+from rlhpc.config import CONF_DIR
 
 
 @pytest.fixture(scope="module")

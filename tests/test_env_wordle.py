@@ -11,7 +11,7 @@ from rlhpc import config as config_mod
 from rlhpc.config import EnvConfig, to_typed
 from rlhpc.env import Task, load
 from rlhpc.env.base import play
-from rlhpc.launch import CONF_DIR
+from rlhpc.config import CONF_DIR
 
 
 @pytest.fixture(scope="module")

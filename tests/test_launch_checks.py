@@ -15,7 +15,7 @@ import rlhpc.algo  # noqa: F401  (registers the algorithms' config checks)
 from rlhpc import config as config_mod
 from rlhpc import models, preflight
 from rlhpc.config import ConfigError, ModelConfig
-from rlhpc.launch import RunDirError, prepare_run_dir
+from rlhpc.preflight import RunDirError, prepare_run_dir
 
 TESTS = Path(__file__).resolve().parent
 

@@ -114,6 +114,35 @@ def test_roles_and_their_parts_never_import_a_launcher(folder):
     assert not {m: d for m, d in wrong.items() if d}, wrong
 
 
+# The entry points of the role processes and of the standalone commands.
+ENTRY_POINTS = ["rlhpc.role", "rlhpc.sft", "rlhpc.serve", "rlhpc.eval"]
+# All they take from the launcher side: who a Slurm task is (read from Slurm's environment, not from a launcher). The
+# config folder and the run-directory setup they share with `rlhpc.launch` live in rlhpc.config and rlhpc.preflight.
+FROM_LAUNCHERS = {"rlhpc.cluster.slurm_identity.identity_from_slurm"}
+
+
+def launcher_names(source: str) -> Set[str]:
+    """The names a module's source imports from rlhpc.launch or rlhpc.cluster, anywhere in it."""
+    out: Set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return {n for n in out if n.startswith(("rlhpc.launch", "rlhpc.cluster"))}
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_entry_points_take_nothing_more_from_a_launcher(module):
+    names = launcher_names((PKG.parent / (module.replace(".", "/") + ".py")).read_text())
+    assert names <= FROM_LAUNCHERS, names - FROM_LAUNCHERS
+
+
+def test_a_planted_launcher_import_is_found():
+    source = "import rlhpc.launch\ndef f():\n    from rlhpc.cluster.local import LocalLauncher\n"
+    assert launcher_names(source) == {"rlhpc.launch", "rlhpc.cluster.local.LocalLauncher"}
+
+
 def test_the_ground_floor_imports_no_concern_folder():
     ground = {"rlhpc.config", "rlhpc.rundir", "rlhpc.metrics", "rlhpc.models", "rlhpc.names", "rlhpc.dtypes",
               "rlhpc.procs", "rlhpc.identity", "rlhpc.stop", "rlhpc.summary", "rlhpc.plots"}

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from rlhpc import config as config_mod
 from rlhpc.algo import loss
 from rlhpc.config import AlgoConfig, ConfigError, to_typed
-from rlhpc.launch import CONF_DIR
+from rlhpc.config import CONF_DIR
 from rlhpc.algo.loss import LossInputs
 
 F64 = torch.float64  # the comparisons below are exact to 1e-10

@@ -104,7 +104,7 @@ def composed(*overrides: str):
     from hydra import compose, initialize_config_dir
 
     from rlhpc import config as config_mod
-    from rlhpc.launch import CONF_DIR
+    from rlhpc.config import CONF_DIR
 
     config_mod.register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

@@ -190,7 +190,7 @@ def composed(*overrides: str) -> Config:
     from hydra import compose, initialize_config_dir
 
     from rlhpc.config import register
-    from rlhpc.launch import CONF_DIR
+    from rlhpc.config import CONF_DIR
 
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

@@ -39,6 +39,7 @@ class LocalLauncher:
         self.cfg = cfg
         self.procs: List[Proc] = []
         self.restarts: dict = {}  # inference rank -> times restarted
+        self.env: dict = {}  # added to every role's environment (attached workers: rlhpc.cluster.attach)
 
     def plan(self) -> str:
         c = self.cfg
@@ -55,7 +56,7 @@ class LocalLauncher:
         env.update(
             RLHPC_ROLE=role, RLHPC_RANK=str(rank), RLHPC_ROLE_SIZE=str(size), RLHPC_RUN_DIR=str(run.root),
             RLHPC_ATTEMPT=self.attempt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.cfg.trainer.threads),
-            **extra_env,
+            **self.env, **extra_env,
         )
         log = open(run.log_file(role, rank), "ab")
         popen = subprocess.Popen(

@@ -31,7 +31,15 @@ class SlurmIdentityError(RuntimeError):
 
 
 def role_and_rank(env: Mapping[str, str]) -> Tuple[str, int, int]:
-    """(role, rank within the role, size of the role) of this task of `srun --het-group=0,1`."""
+    """(role, rank within the role, size of the role) of this task of `srun --het-group=0,1`, or of a job of attached
+    inference workers (one component; RLHPC_ATTACH_RANKS lists the ranks rlhpc.cluster.attach allocated)."""
+    if env.get("RLHPC_ATTACH") == "1":
+        ranks = [int(r) for r in env.get("RLHPC_ATTACH_RANKS", "").split(",") if r.strip()]
+        procid = int(env["SLURM_PROCID"])
+        if procid >= len(ranks):
+            raise SlurmIdentityError(f"SLURM_PROCID={procid}, but RLHPC_ATTACH_RANKS={env.get('RLHPC_ATTACH_RANKS')!r} "
+                                     f"names {len(ranks)} worker(s): the attach job's script sets both")
+        return "inference", ranks[procid], len(ranks)
     sizes = []
     for k in range(len(ROLES)):
         value = env.get(f"SLURM_NTASKS_HET_GROUP_{k}")
@@ -102,17 +110,20 @@ def identity_from_slurm(env: Mapping[str, str]) -> Identity:
     run_dir = env.get("RLHPC_RUN_DIR")
     if not run_dir:
         raise SlurmIdentityError("RLHPC_RUN_DIR is not set: the job script exports it (see sbatch/rlhpc.sbatch)")
+    attached = env.get("RLHPC_ATTACH") == "1"
     return Identity(
         role=role,
         rank=rank,
         size=size,
         run_dir=Path(run_dir),
         attempt=attempt(env),
-        master_addr=node_address(first_node(env["SLURM_JOB_NODELIST_HET_GROUP_0"])),
+        # Attached workers never talk to the trainer's torch.distributed group (only to the weights group).
+        master_addr="127.0.0.1" if attached else node_address(first_node(env["SLURM_JOB_NODELIST_HET_GROUP_0"])),
         master_port=master_port(env),
         # Set by the job script's task loop when it restarts a dead inference worker (inference.max_restarts).
         restart=int(env.get("RLHPC_RESTART") or 0),
         restarts_left=int(env.get("RLHPC_RESTARTS_LEFT") or 0),
+        attached=attached,
     )
 
 

@@ -144,7 +144,9 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
 def make_receiver(cfg: Config, ident: Identity, run: RunDir) -> WeightsReceiver:
     if cfg.weights.transport == "filesystem":
         return FilesystemReceiver(run, version=0)
-    return BroadcastReceiver(run, ident.rank + 1, cfg.weights.timeout_s, ident.attempt, abort=lambda: _failed(run))
+    # An attached worker joins whatever attempt of the run rendezvous/weights.json holds (attempt=None).
+    return BroadcastReceiver(run, ident.rank + 1, cfg.weights.timeout_s, None if ident.attached else ident.attempt,
+                             abort=lambda: _failed(run))
 
 
 def _failed(run: RunDir) -> Optional[str]:
