@@ -29,6 +29,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=70, help="RL steps of each run (default 70, as the test)")
     ap.add_argument("--checkpoint-interval", type=int, default=10)
+    ap.add_argument("--transport", default="broadcast", choices=["broadcast", "filesystem"], help="weights.transport")
     ap.add_argument("--repeats", type=int, default=1, help="pairs of runs (undisturbed, disturbed)")
     ap.add_argument("--seed", type=int, default=0, help="moments of the faults; repeat r uses seed + r")
     ap.add_argument("--model", type=Path, help="an SFT model folder to start RL from (default: train one)")
@@ -41,7 +42,7 @@ def main() -> int:
         t0 = time.time()
         model = a.model or warm_start(work / "sft")
         print(f"warm start: {model} ({time.time() - t0:.0f}s)", flush=True)
-        base = [sys.executable, "-m", "rlhpc.launch", *rl_overrides(model, a.steps, a.checkpoint_interval)]
+        base = [sys.executable, "-m", "rlhpc.launch", *rl_overrides(model, a.steps, a.checkpoint_interval, transport=a.transport)]
         rows = []
         for r in range(a.repeats):
             t0 = time.time()

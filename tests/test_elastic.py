@@ -15,16 +15,17 @@ from rlhpc.config import ConfigError
 from test_launch import SMALL, rlhpc_processes
 
 
-def test_restarts_need_the_filesystem_weights_transport():
+def test_restarts_are_accepted_with_either_transport_and_the_member_timeout_is_checked():
     import rlhpc.algo  # noqa: F401  (registers the algorithms' config checks)
 
-    cfg = config_mod.to_typed({"run_dir": "/tmp/x", "inference": {"max_restarts": 2}})
-    with pytest.raises(ConfigError, match="inference.max_restarts.*weights.transport=filesystem"):
+    for transport in ("broadcast", "filesystem"):
+        for launcher in ("local", "slurm", "sbatch"):  # under Slurm the worker's task restarts it inside the job
+            config_mod.validate(config_mod.to_typed({"run_dir": "/tmp/x", "inference": {"max_restarts": 2},
+                                                     "weights": {"transport": transport},
+                                                     "launcher": {"name": launcher}}))
+    cfg = config_mod.to_typed({"run_dir": "/tmp/x", "weights": {"member_timeout_s": 0}})
+    with pytest.raises(ConfigError, match="weights.member_timeout_s"):
         config_mod.validate(cfg)
-    for launcher in ("local", "slurm", "sbatch"):  # under Slurm the worker's task restarts it inside the job
-        config_mod.validate(config_mod.to_typed({"run_dir": "/tmp/x", "inference": {"max_restarts": 2},
-                                                 "weights": {"transport": "filesystem"},
-                                                 "launcher": {"name": launcher}}))
 
 
 def role_pid(run_dir, role, rank):
@@ -36,11 +37,14 @@ def role_pid(run_dir, role, rank):
 
 
 @pytest.mark.slow
-def test_a_killed_worker_is_restarted_and_rejoins_at_the_current_version(tmp_path):
+@pytest.mark.parametrize("transport", ["filesystem", "broadcast"])
+def test_a_killed_worker_is_restarted_and_rejoins_at_the_current_version(tmp_path, transport):
+    """filesystem: the new life starts from the newest snapshot; broadcast: it joins the weights group again at the
+    next update (the group's next epoch leaves the dead member out)."""
     run_dir = tmp_path / "run"
     steps = 40  # long enough for the restarted worker to start (a few seconds) and publish before the end
     p = subprocess.Popen([sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", f"trainer.steps={steps}",
-                          "weights.transport=filesystem", "inference.max_restarts=2", "queue.lease_s=5"],
+                          f"weights.transport={transport}", "inference.max_restarts=2", "queue.lease_s=5"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ledger = run_dir / "queue" / "ledger.jsonl"
     deadline = time.time() + 180
@@ -57,7 +61,7 @@ def test_a_killed_worker_is_restarted_and_rejoins_at_the_current_version(tmp_pat
     assert [e["step"] for e in entries] == list(range(steps))  # every step once: training went on
     uids = [u for e in entries for u in e["groups"]]
     assert len(uids) == len(set(uids))
-    # The second life of worker 0 started from the newest snapshot, not from version 0.
+    # The second life of worker 0 generated from the current weights, not from version 0.
     rows = [json.loads(line) for line in (run_dir / "logs" / "inference-0.metrics.jsonl").read_text().splitlines()]
     second_life = [r for i, r in enumerate(rows) if i and r["step"] == 0][-1:]
     assert second_life and second_life[0]["weights/version"] >= killed_at - 1, (killed_at, rows)

@@ -255,12 +255,13 @@ def warm_start(run_dir: Path, timeout: float = 900) -> Path:
     return Path(run_dir) / "model"
 
 
-def rl_overrides(model: Path, steps: int, checkpoint_interval: int, seed: int = 3) -> List[str]:
-    """RL from `model` as the quick start does it, with what surviving faults needs: restarts (through weights
-    snapshots), short leases, retired steps kept for the accounting. The final held-out reward uses 64 tasks."""
+def rl_overrides(model: Path, steps: int, checkpoint_interval: int, seed: int = 3,
+                 transport: str = "broadcast") -> List[str]:
+    """RL from `model` as the quick start does it, with what surviving faults needs: restarts, short leases, retired
+    steps kept for the accounting. The final held-out reward uses 64 tasks."""
     return ["+exp=reverse_text", f"model.path={model}", "sft.steps=0", f"trainer.steps={steps}",
             f"trainer.checkpoint_interval={checkpoint_interval}", "eval.num_tasks=64", "eval.interval=0",
-            "launcher.progress=false", "weights.transport=filesystem", "inference.max_restarts=3", "queue.lease_s=3",
+            "launcher.progress=false", f"weights.transport={transport}", "inference.max_restarts=3", "queue.lease_s=3",
             "queue.keep_retired=true", f"seed={seed}"]
 
 
@@ -277,7 +278,7 @@ class LocalChaos:
     """Runs `python -m rlhpc.launch <args>` and injects, at seeded random moments: 2 worker kills and a corrupt file,
     then a trainer kill (the launcher ends the run; it is launched again and resumes from its checkpoint), then a
     third worker kill, a second corrupt file and a frozen worker. `steps` is trainer.steps of the launch; the run
-    needs `inference.max_restarts>=3`, `weights.transport=filesystem` and a checkpoint interval well below steps/2."""
+    needs `inference.max_restarts>=3` and a checkpoint interval well below steps/2."""
 
     args: List[str]
     run_dir: Path

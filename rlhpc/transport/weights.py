@@ -15,6 +15,7 @@ Tensors travel under their Hugging Face checkpoint names.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from rlhpc.dtypes import dtype_of
 from rlhpc.procs import node_address
-from rlhpc.rundir import RunDir, fsync_dir, read_json, wait_for, write_json
+from rlhpc.rundir import Backoff, RunDir, fsync_dir, read_json, wait_for, write_json
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,21 @@ class FilesystemReceiver(WeightsReceiver):
 
 
 # ---- the weights group --------------------------------------------------------------------------------------------
+#
+# Members come and go. The group lives in epochs: each epoch is one process group of trainer rank 0 (group rank 0) and
+# the members listed for it. The trainer speaks to every member through numbered messages in its TCPStore (pub/<n>):
+#   {"kind": "call", "epoch": e}     members alive answer ack/<e>/<id>; the trainer lists who answered in members/<e>
+#                                    and those form epoch e's group (a member not listed joins again);
+#   {"kind": "update", "version": v, "epoch": e}
+#                                    the buckets of version v follow in epoch e's group;
+#   {"kind": "close"}                nothing more will be sent.
+# A candidate (a new, restarted or attached worker; member id = its rank + 1) announces its id (joiners counter,
+# joiner/<i>), then claims join/<id> with "<nonce>:<token>" (compare-and-set: another candidate's claim is never
+# overwritten); the trainer reads claims at each update, answers verdict/<id>/<nonce> (ok, refused: no token, or
+# taken: a second candidate while the first group forms) and start/<id>/<nonce> (the message to read from), and calls
+# a new epoch at its next update. A member that dies breaks the epoch: the broadcast fails (gloo reports a closed
+# connection at once; a member that stalls costs weights.member_timeout_s), the trainer calls a new epoch of those
+# alive and sends the same version again. A member whose group failed reads on and answers the next call.
 
 
 def _make_group(store: dist.Store, rank: int, size: int, backend: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
@@ -182,65 +198,135 @@ def _numel(shape: List[int]) -> int:
     return n
 
 
+# Seconds a call waits for the answers of the members it expects (those alive answer within milliseconds; the wait
+# only runs out when one died, once per failure).
+CALL_WAIT_S = 5.0
+
+
 class BroadcastSender(WeightsSender):
     """Trainer rank 0's end of the weights group (group rank 0)."""
 
     def __init__(self, run: RunDir, num_receivers: int, bucket_mb: int, timeout_s: float, attempt: str, backend: str = "",
-                 host: str = ""):
+                 host: str = "", member_timeout_s: float = 60.0):
         self.backend = backend or default_backend()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.bucket_bytes = bucket_mb << 20
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.size = num_receivers + 1
+        self.member_timeout = datetime.timedelta(seconds=member_timeout_s)
         host = os.environ.get("RLHPC_WEIGHTS_HOST") or host or node_address()
-        self.store = dist.TCPStore(host, 0, self.size, True, timeout=self.timeout, wait_for_workers=False)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, 0, num_receivers + 1, True, timeout=timeout, wait_for_workers=False)
         self.token = secrets.token_hex(16)
+        self.members: List[int] = []  # member ids of the current epoch, in group-rank order (group rank = index + 1)
+        self.epoch, self.group, self.broken = -1, None, False
+        self.next_msg = 0
+        self.watch = set(range(1, num_receivers + 1))  # member ids whose join/<id> claims are read
+        self.joiners_seen = 0
+        self._buffers: dict = {}  # (slot, dtype) -> staging buffer of the bucketed broadcast
+        self.layout: Optional[List[Tuple[str, List[int], str]]] = None
         write_json(
             run.rendezvous / "weights.json",
-            {"host": host, "port": self.store.port, "token": self.token, "world_size": self.size, "attempt": attempt,
-             "backend": self.backend},
+            {"host": host, "port": self.store.port, "token": self.token, "world_size": num_receivers + 1,
+             "attempt": attempt, "backend": self.backend},
         )
-        self._admit(timeout_s)
-        self.group = _make_group(dist.PrefixStore(f"rlhpc/{self.token}", self.store), 0, self.size, self.backend, self.timeout)
-        self.layout: Optional[List[Tuple[str, List[int], str]]] = None
-        log.info("weights group of %d formed (%s)", self.size, self.backend)
+        first = self._admit_first(set(self.watch), timeout_s)
+        self._call(first)
+        missing = sorted(first - set(self.members))
+        if missing:
+            raise TimeoutError(f"weights group: inference ranks {missing} joined but did not form the group within "
+                               f"{CALL_WAIT_S:.0f}s")
+        log.info("weights group of %d formed (%s)", len(self.members) + 1, self.backend)
 
-    def _admit(self, timeout_s: float) -> None:
-        """Waits for every receiver to present the token; refuses (and keeps waiting for) any that does not.
+    # -- membership --
 
-        A candidate for group rank r claims the key join/<r> (compare-and-set: the first claim holds until read, so
-        nobody overwrites another's) with "<nonce>:<token>"; this reads it, frees the key and answers at
-        verdict/<r>/<nonce>: ok, refused (wrong token, or bytes that are no token) or taken (r has its member). A
+    def _read_claims(self, forming: set, start: int) -> List[int]:
+        """Reads the join claims waiting; answers each; returns the member ids admitted. `forming`: ids already
+        admitted while the first group forms (a second candidate for one of them is refused as "taken"); `start`: the
+        message an admitted member reads from."""
+        count = self.store.add("joiners", 0)
+        while self.joiners_seen < count and self.store.check([f"joiner/{self.joiners_seen}"]):
+            raw = self.store.get(f"joiner/{self.joiners_seen}").decode("utf-8", "replace")
+            if raw.isdigit() and 0 < int(raw) < 1 << 20:
+                self.watch.add(int(raw))
+            self.joiners_seen += 1
+        admitted = []
+        for member in sorted(self.watch):
+            key = f"join/{member}"
+            if not self.store.check([key]):
+                continue
+            raw = self.store.get(key)
+            self.store.delete_key(key)
+            nonce, _, presented = raw.decode("utf-8", "replace").partition(":")
+            nonce = nonce[:64]
+            ok = secrets.compare_digest(presented.encode(), self.token.encode())
+            verdict = "taken" if ok and member in forming else "ok" if ok else "refused"
+            if verdict == "ok":
+                self.store.set(f"start/{member}/{nonce}", str(start))
+                admitted.append(member)
+                if member in self.members:  # a restarted worker: its earlier life is gone
+                    log.warning("weights group: member %d joins again (restarted); a new epoch forms", member)
+            else:
+                log.warning("weights group: refused a candidate for rank %d (%s)", member,
+                            "rank already taken" if ok else "wrong token")
+            self.store.set(f"verdict/{member}/{nonce}", verdict)
+        return admitted
+
+    def _admit_first(self, expected: set, timeout_s: float) -> set:
+        """Waits for every first member to present the token; refuses (and keeps waiting for) any that does not. A
         client that connects and says nothing, or says garbage, costs nothing here: only claimed keys are read."""
         deadline = time.monotonic() + timeout_s
-        waiting = set(range(1, self.size))
-        keys = [f"join/{rank}" for rank in range(1, self.size)]
-        while waiting:
-            for rank, key in enumerate(keys, start=1):
-                if not self.store.check([key]):
-                    continue
-                raw = self.store.get(key)
-                self.store.delete_key(key)
-                nonce, _, presented = raw.decode("utf-8", "replace").partition(":")
-                ok = secrets.compare_digest(presented.encode(), self.token.encode())
-                verdict = "taken" if ok and rank not in waiting else "ok" if ok else "refused"
-                self.store.set(f"verdict/{rank}/{nonce[:64]}", verdict)
-                if verdict == "ok":
-                    waiting.discard(rank)
-                else:
-                    log.warning("weights group: refused a candidate for rank %d (%s)", rank,
-                                "rank already taken" if ok else "wrong token")
-            if waiting and time.monotonic() > deadline:
+        admitted: set = set()
+        while expected - admitted:
+            admitted.update(self._read_claims(admitted, start=0))
+            if expected - admitted and time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"weights group: inference ranks {sorted(waiting)} did not join within weights.timeout_s="
-                    f"{timeout_s:.0f}s (see logs/inference-*.log)"
+                    f"weights group: inference ranks {sorted(expected - admitted)} did not join within "
+                    f"weights.timeout_s={timeout_s:.0f}s (see logs/inference-*.log)"
                 )
             time.sleep(0.01)
+        return admitted
 
-    def _broadcast(self, t: torch.Tensor) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self.group.broadcast([t], opts).wait()
+    def _say(self, msg: dict) -> int:
+        n = self.next_msg
+        self.store.set(f"pub/{n}", json.dumps(msg))
+        self.next_msg += 1
+        return n
+
+    def _call(self, expected: set) -> None:
+        """Forms a new epoch of the members in `expected` that answer (and of candidates admitted meanwhile)."""
+        self._drop_group()
+        self.epoch += 1
+        e = self.epoch
+        n = self._say({"kind": "call", "epoch": e})
+        deadline = time.monotonic() + CALL_WAIT_S
+        answered: set = set()
+        while True:
+            expected.update(self._read_claims(set(), start=n))  # admitted now: they read from this call
+            answered.update(m for m in expected - answered if self.store.check([f"ack/{e}/{m}"]))
+            if answered >= expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        self.members = sorted(answered)
+        self.store.set(f"members/{e}", json.dumps(self.members))
+        if expected - answered:
+            log.warning("weights group: members %s did not answer epoch %d (dead, or still failing an earlier one); "
+                        "they join again when they can", sorted(expected - answered), e)
+        self.broken = False
+        if self.members:
+            try:
+                self.group = _make_group(dist.PrefixStore(f"rlhpc/{self.token}/e{e}", self.store), 0,
+                                         len(self.members) + 1, self.backend, self.member_timeout)
+            except Exception as err:  # noqa: BLE001 - a member died after answering: the next update calls again
+                log.warning("weights group epoch %d did not form (%s)", e, str(err).splitlines()[0][:200])
+                self.broken = True
+        log.info("weights group epoch %d: members %s", e, self.members)
+
+    def _drop_group(self) -> None:
+        # Releasing the group closes its connections, so members still waiting in it fail at once and answer the next
+        # call (gloo's abort() leaves them waiting out their timeout).
+        self.group = None
+        gc.collect()
+
+    # -- updates --
 
     def publish(self, version: int, tensors: NamedTensors, layout=None) -> int:
         stream = iter(tensors)
@@ -252,105 +338,212 @@ class BroadcastSender(WeightsSender):
             self.layout = [(n, list(shape), str(dtype)) for n, shape, dtype in layout]
             self.store.set("layout", json.dumps({"tensors": self.layout, "bucket_bytes": self.bucket_bytes}))
             self.buckets = _bucketize(self.layout, self.bucket_bytes)
-        self._broadcast(torch.tensor([version, 1], dtype=torch.int64, device=self.device))
-        sent = 0
-        for bucket in self.buckets:
+        joined = self._read_claims(set(), start=self.next_msg)
+        if joined or self.broken:
+            self._call(set(self.members) | set(joined))
+        self._say({"kind": "update", "version": version, "epoch": self.epoch})
+        # Bucket k+1 is gathered and copied into its staging buffer while bucket k is on the wire (gloo and NCCL run
+        # the broadcast asynchronously); two staging buffers per dtype, kept across updates.
+        sent, inflight = 0, None
+        for k, bucket in enumerate(self.buckets):
             parts = []
             for i in bucket:
                 name, t = next(stream)
                 if name != self.layout[i][0]:
                     raise RuntimeError(f"weights stream out of order: got {name}, expected {self.layout[i][0]}")
                 parts.append(t.detach().reshape(-1).to(self.device))
-            flat = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
-            self._broadcast(flat)
-            sent += flat.numel() * flat.element_size()
-            del parts, flat
+            if self.group is None or self.broken:  # nobody to send to: the stream is still taken in full (with FSDP,
+                continue                           # every rank's all-gathers go on)
+            if len(parts) == 1:
+                flat = parts[0].contiguous()
+            else:
+                flat = self._staging(k % 2, parts[0].dtype, sum(t.numel() for t in parts))
+                torch.cat(parts, out=flat)
+            del parts
+            sent += self._finish(inflight, version)
+            inflight = None if self.broken else (self._start(flat), flat)
+        sent += self._finish(inflight, version)
         return sent
+
+    def _staging(self, slot: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        key = (slot, dtype)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[key] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[:numel]
+
+    def _start(self, flat: torch.Tensor):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        try:
+            return self.group.broadcast([flat], opts)
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+            return None
+
+    def _finish(self, inflight, version: int) -> int:
+        """Waits for a broadcast started by `_start`; its bytes, or 0 if the epoch broke."""
+        if inflight is None or inflight[0] is None:
+            return 0
+        work, flat = inflight
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001 - a member died or stalled: the next update goes to those alive
+            self._failed(e, version)
+            return 0
+        return flat.numel() * flat.element_size()
+
+    def _failed(self, e: BaseException, version: int = -1) -> None:
+        if not self.broken:
+            log.warning("weights group epoch %d failed sending version %d (%s); the next update forms a new one",
+                        self.epoch, version, str(e).splitlines()[0][:200])
+        self.broken = True
 
     def close(self) -> None:
         try:
-            self._broadcast(torch.tensor([-1, 0], dtype=torch.int64, device=self.device))
-        except Exception as e:  # receivers already gone: nothing to tell them
+            self._say({"kind": "close"})
+        except Exception as e:  # noqa: BLE001 - receivers already gone: nothing to tell them
             log.warning("weights group: shutdown message not delivered: %s", e)
-
+        self._drop_group()
 
 class BroadcastReceiver(WeightsReceiver):
-    """An inference worker's end of the weights group. A background thread receives every update as it is broadcast
-    (so the trainer never waits for a generation to finish); `poll` hands the newest one to the worker's loop."""
+    """An inference worker's end of the weights group. A background thread follows the trainer's messages and receives
+    every update as it is broadcast (so the trainer never waits for a generation to finish); `poll` hands the newest
+    one to the worker's loop. `attempt`: the launch whose rendezvous to join (None: whichever is current, for workers
+    attached to a running run)."""
 
-    def __init__(self, run: RunDir, rank: int, timeout_s: float, attempt: str, token: Optional[str] = None,
-                 abort=None):
+    def __init__(self, run: RunDir, rank: int, timeout_s: float, attempt: Optional[str], token: Optional[str] = None,
+                 abort=None, member_timeout_s: float = 60.0):
         path = run.rendezvous / "weights.json"
 
         def current():
             info = read_json(path)
-            return info if info and info.get("attempt") == attempt else None
+            return info if info and (attempt is None or info.get("attempt") == attempt) else None
 
         info = wait_for(current, timeout_s, f"the weights group rendezvous ({path})", poll_s=0.2, abort=abort)
         self.backend = info["backend"]
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(info["host"], info["port"], info["world_size"], False, timeout=timeout)
-        token = info["token"] if token is None else token
-        # Claim join/<rank> (compare-and-set: another candidate's claim is never overwritten; wait for it to be read).
-        nonce = secrets.token_hex(8)
-        claim, deadline = f"{nonce}:{token}", time.monotonic() + timeout_s
-        while self.store.compare_set(f"join/{rank}", "", claim).decode("utf-8", "replace") != claim:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"weights group: join/{rank} stayed claimed by another candidate for "
-                                   f"weights.timeout_s={timeout_s:.0f}s")
-            time.sleep(0.05)
-        verdict_key = f"verdict/{rank}/{nonce}"
-        self.store.wait([verdict_key], timeout)
-        verdict = self.store.get(verdict_key).decode()
-        if verdict == "taken":
-            raise PermissionError(f"weights group refused this worker: rank {rank} already has its member (two workers "
-                                  f"with the same rank?)")
-        if verdict != "ok":
-            raise PermissionError("weights group refused this worker: wrong token (stale rendezvous/weights.json?)")
-        self.group = _make_group(dist.PrefixStore(f"rlhpc/{token}", self.store), rank, info["world_size"], self.backend, timeout)
+        self.member, self.timeout_s = rank, timeout_s
+        self.member_timeout = datetime.timedelta(seconds=member_timeout_s)
+        self.store = dist.TCPStore(info["host"], info["port"], info["world_size"], False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+        self.token = info["token"] if token is None else token
+        self.announced = False
+        self.cursor = self._join()
+        self.group, self.group_epoch = None, -1
+        self.layout = self.buckets = None
         self._lock = threading.Lock()
         self._latest: Optional[Update] = None
         self._closed = False
         self._arrived = threading.Event()  # set while an update (or the end) waits for `poll`
         self.error: Optional[BaseException] = None
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="weights-receiver", daemon=True)
         self._thread.start()
 
-    def _broadcast(self, t: torch.Tensor) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self.group.broadcast([t], opts).wait()
+    def _join(self) -> int:
+        """Presents the token for this member id; returns the number of the first message to read."""
+        if not self.announced:  # the trainer reads the claims of the ids announced to it
+            i = self.store.add("joiners", 1) - 1
+            self.store.set(f"joiner/{i}", str(self.member))
+            self.announced = True
+        nonce = secrets.token_hex(8)
+        claim, deadline = f"{nonce}:{self.token}", time.monotonic() + self.timeout_s
+        key = f"join/{self.member}"
+        while self.store.compare_set(key, "", claim).decode("utf-8", "replace") != claim:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weights group: {key} stayed claimed by another candidate for "
+                                   f"weights.timeout_s={self.timeout_s:.0f}s")
+            time.sleep(0.05)
+        verdict_key = f"verdict/{self.member}/{nonce}"
+        self.store.wait([verdict_key], datetime.timedelta(seconds=self.timeout_s))
+        verdict = self.store.get(verdict_key).decode()
+        if verdict == "taken":
+            raise PermissionError(f"weights group refused this worker: rank {self.member} already has its member (two "
+                                  f"workers with the same rank?)")
+        if verdict != "ok":
+            raise PermissionError("weights group refused this worker: wrong token (stale rendezvous/weights.json?)")
+        return int(self.store.get(f"start/{self.member}/{nonce}"))
+
+    def _next_message(self) -> Optional[dict]:
+        """The next message of the trainer (waits with a bounded rate of store lookups); None once stopping."""
+        key, backoff = f"pub/{self.cursor}", Backoff(0.05, first_s=0.002)
+        while not self.store.check([key]):
+            if self._stopping:
+                return None
+            time.sleep(backoff.next())
+        self.cursor += 1
+        return json.loads(self.store.get(key))
 
     def _run(self) -> None:
         try:
-            layout = None
             while True:
-                header = torch.zeros(2, dtype=torch.int64, device=self.device)
-                self._broadcast(header)
-                version, kind = header.tolist()
-                if kind == 0:
+                msg = self._next_message()
+                if msg is None or msg["kind"] == "close":
                     break
-                if layout is None:  # fixed by the first update
-                    info = json.loads(self.store.get("layout"))
-                    layout = [(n, s, d) for n, s, d in info["tensors"]]
-                    buckets = _bucketize(layout, info["bucket_bytes"])
-                tensors: List[Tuple[str, torch.Tensor]] = []
-                for bucket in buckets:
-                    dtype = dtype_of(layout[bucket[0]][2])
-                    flat = torch.empty(sum(_numel(layout[i][1]) for i in bucket), dtype=dtype, device=self.device)
-                    self._broadcast(flat)
-                    for (name, shape, _), part in zip(
-                        (layout[i] for i in bucket), flat.split([_numel(layout[i][1]) for i in bucket])
-                    ):
-                        tensors.append((name, part.view(shape)))
-                with self._lock:
-                    self._latest = Update(version, tensors)
-                    self._arrived.set()
+                if msg["kind"] == "call":
+                    self._answer(msg["epoch"])
+                elif self.group is not None and msg["epoch"] == self.group_epoch:
+                    self._receive(msg["version"])
+                elif msg["epoch"] != self.group_epoch or self.group is None:
+                    # An update of an epoch this member is not in (it missed the call): join the next one.
+                    self.cursor = self._join()
         except BaseException as e:  # noqa: BLE001 - reported to the worker loop through `error`
             self.error = e
         finally:
             self._closed = True
+            self._arrived.set()
+
+    def _answer(self, epoch: int) -> None:
+        """Answers a call; forms epoch `epoch`'s group if listed, else joins again."""
+        self._drop_group()
+        self.store.set(f"ack/{epoch}/{self.member}", "1")
+        self.store.wait([f"members/{epoch}"], datetime.timedelta(seconds=self.timeout_s))
+        members = json.loads(self.store.get(f"members/{epoch}"))
+        if self.member not in members:
+            self.cursor = self._join()
+            return
+        try:
+            self.group = _make_group(dist.PrefixStore(f"rlhpc/{self.token}/e{epoch}", self.store),
+                                     members.index(self.member) + 1, len(members) + 1, self.backend,
+                                     self.member_timeout)
+        except Exception as e:  # noqa: BLE001 - another member died meanwhile: the trainer calls again
+            log.warning("weights group epoch %d did not form (%s); waiting for the next", epoch,
+                        str(e).splitlines()[0][:200])
+            return
+        self.group_epoch = epoch
+
+    def _drop_group(self) -> None:
+        self.group, self.group_epoch = None, -1  # closes its connections (see BroadcastSender._drop_group)
+        gc.collect()
+
+    def _receive(self, version: int) -> None:
+        if self.layout is None:  # fixed by the first update
+            info = json.loads(self.store.get("layout"))
+            self.layout = [(n, s, d) for n, s, d in info["tensors"]]
+            self.buckets = _bucketize(self.layout, info["bucket_bytes"])
+        layout = self.layout
+        tensors: List[Tuple[str, torch.Tensor]] = []
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        try:
+            posted = []  # every bucket's receive is posted at once, so the next one lands while this one is waited for
+            for bucket in self.buckets:
+                flat = torch.empty(sum(_numel(layout[i][1]) for i in bucket), dtype=dtype_of(layout[bucket[0]][2]),
+                                   device=self.device)
+                posted.append((self.group.broadcast([flat], opts), flat, bucket))
+            for work, flat, bucket in posted:
+                work.wait()
+                for (name, shape, _), part in zip((layout[i] for i in bucket),
+                                                  flat.split([_numel(layout[i][1]) for i in bucket])):
+                    tensors.append((name, part.view(shape)))
+        except Exception as e:  # noqa: BLE001 - the epoch broke (a member died): answer the next call
+            log.warning("weights group epoch %d failed receiving version %d (%s); waiting for the next epoch",
+                        self.group_epoch, version, str(e).splitlines()[0][:200])
+            self._drop_group()
+            return
+        with self._lock:
+            self._latest = Update(version, tensors)
             self._arrived.set()
 
     def poll(self) -> Optional[Update]:
@@ -371,4 +564,5 @@ class BroadcastReceiver(WeightsReceiver):
         return self._closed and self._latest is None
 
     def close(self) -> None:
+        self._stopping = True
         self._thread.join(timeout=1.0)

@@ -1,0 +1,156 @@
+"""The weights group's members come and go: a member killed mid-run leaves a group that goes on with those alive, and
+a restarted member (same rank) or an attached one (a new rank, any launch attempt) joins at the next update, while
+the trainer's publish never waits longer than one call for answers."""
+
+import os
+import signal
+import time
+import traceback
+
+import pytest
+import torch
+
+from rlhpc.rundir import RunDir
+from rlhpc.transport.weights import CALL_WAIT_S, BroadcastReceiver, BroadcastSender
+from test_weights import CTX
+
+
+def _follower(run_root, member, attempt, out):
+    """An inference-side process that reports every update it receives, until the trainer closes the group."""
+    try:
+        recv = BroadcastReceiver(RunDir(run_root), member, timeout_s=60, attempt=attempt)
+        while not recv.closed():
+            update = recv.poll()
+            if update is not None:
+                out.put(("got", member, update.version, sum(t.double().sum().item() for _, t in update.tensors)))
+            recv.wait(0.05)
+        out.put(("closed", member))
+    except BaseException as e:  # noqa: BLE001
+        out.put(("error", member, f"{type(e).__name__}: {e}", traceback.format_exc()))
+
+
+def start(run_root, member, out, attempt="t"):
+    p = CTX.Process(target=_follower, args=(run_root, member, attempt, out), daemon=True)
+    p.start()
+    return p
+
+
+def weights(version):
+    g = torch.Generator().manual_seed(version)
+    return [("model.a.weight", torch.randn(300, 200, generator=g)), ("model.b.bias", torch.randn(77, generator=g)),
+            ("lm_head.weight", torch.randn(500, 64, generator=g).to(torch.bfloat16))]
+
+
+def checksum(version):
+    return sum(t.double().sum().item() for _, t in weights(version))
+
+
+def drain(out, timeout_s=0.5):
+    got = []
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            got.append(out.get(timeout=max(0.01, deadline - time.time())))
+        except Exception:  # noqa: BLE001 - queue.Empty
+            break
+    return got
+
+
+def published(sender, version):
+    t0 = time.monotonic()
+    sender.publish(version, weights(version))
+    return time.monotonic() - t0
+
+
+def test_the_group_goes_on_without_a_dead_member_and_admits_restarted_and_attached_ones(tmp_path):
+    run = RunDir(tmp_path).make()
+    out = CTX.Queue()
+    procs = {m: start(str(tmp_path), m, out) for m in (1, 2)}
+    sender = BroadcastSender(run, num_receivers=2, bucket_mb=1, timeout_s=60, attempt="t", member_timeout_s=20)
+    published(sender, 1)
+    got = [out.get(timeout=60) for _ in range(2)]
+    assert sorted(g[1:3] for g in got) == [(1, 1), (2, 1)], got
+    assert all(abs(g[3] - checksum(1)) < 1e-6 * abs(checksum(1)) for g in got)
+
+    os.kill(procs[2].pid, signal.SIGKILL)  # member 2 dies, as when its node goes
+    procs[2].join(timeout=10)
+    slowest = max(published(sender, 2), published(sender, 3))  # the failure shows, then a call forms a group of one
+    assert slowest < CALL_WAIT_S + 10  # one call's wait for the dead member's answer, not a timeout
+    assert sender.members == [1]
+    seen = drain(out, 2)
+    assert ("got", 1, 3) in [g[:3] for g in seen], seen
+
+    # Member 2 starts again (a restart keeps its rank) and member 7 attaches from another launch (attempt unknown).
+    procs[2] = start(str(tmp_path), 2, out)
+    procs[7] = start(str(tmp_path), 7, out, attempt=None)
+    deadline = time.time() + 60
+    while not all(sender.store.check([f"join/{m}"]) for m in (2, 7)):  # both have presented the token
+        assert time.time() < deadline, "the new members did not claim their ranks"
+        time.sleep(0.05)
+    assert published(sender, 4) < CALL_WAIT_S + 10
+    assert sender.members == [1, 2, 7]
+    published(sender, 5)
+    sender.close()
+    reports = [out.get(timeout=60) for _ in range(3 + 3 + 3)]  # v4, v5 and "closed" from each of the three
+    errors = [r for r in reports if r[0] == "error"]
+    assert not errors, errors
+    for member in (1, 2, 7):
+        versions = [r[2] for r in reports if r[0] == "got" and r[1] == member]
+        assert versions == [4, 5], (member, reports)
+        assert ("closed", member) in reports
+    for r in reports:
+        if r[0] == "got":
+            assert abs(r[3] - checksum(r[2])) < 1e-6 * abs(checksum(r[2]))
+    for p in procs.values():
+        p.join(timeout=30)
+        assert p.exitcode == 0 or p.exitcode == -signal.SIGKILL
+
+
+def test_a_member_that_stalls_costs_the_member_timeout_once(tmp_path):
+    """A member stopped (SIGSTOP: alive, silent) holds a broadcast at most weights.member_timeout_s; the group goes on
+    without it."""
+    run = RunDir(tmp_path).make()
+    out = CTX.Queue()
+    procs = {m: start(str(tmp_path), m, out) for m in (1, 2)}
+    sender = BroadcastSender(run, num_receivers=2, bucket_mb=1, timeout_s=60, attempt="t", member_timeout_s=3)
+    big = [("w", torch.ones(8 << 20))]  # 32 MiB: fills the socket buffers, so a stalled member blocks the send
+    sender.publish(1, big)
+    assert sorted(g[1:3] for g in (out.get(timeout=60) for _ in range(2))) == [(1, 1), (2, 1)]
+    os.kill(procs[2].pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        sender.publish(2, big)
+        sender.publish(3, big)
+        took = time.monotonic() - t0
+        assert sender.members == [1]
+        assert took < 3 + CALL_WAIT_S + 15, took
+        assert ("got", 1, 3) in [g[:3] for g in drain(out, 5)]
+    finally:
+        os.kill(procs[2].pid, signal.SIGKILL)
+        sender.close()
+        for p in procs.values():
+            p.join(timeout=30)
+
+
+@pytest.mark.parametrize("n", [1])
+def test_nothing_to_send_to_is_no_error(tmp_path, n):
+    """Every member gone: updates are taken and dropped until one joins again."""
+    run = RunDir(tmp_path).make()
+    out = CTX.Queue()
+    p = start(str(tmp_path), n, out)
+    sender = BroadcastSender(run, num_receivers=1, bucket_mb=1, timeout_s=60, attempt="t", member_timeout_s=20)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(timeout=10)
+    for v in (1, 2, 3):
+        sender.publish(v, weights(v))
+    assert sender.members == []
+    p = start(str(tmp_path), n, out)
+    deadline = time.time() + 60
+    while not sender.store.check([f"join/{n}"]):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    sender.publish(4, weights(4))
+    assert out.get(timeout=60)[:3] == ("got", n, 4)
+    sender.close()
+    assert out.get(timeout=60) == ("closed", n)
+    p.join(timeout=30)
