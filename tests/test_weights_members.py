@@ -56,6 +56,16 @@ def drain(out, timeout_s=0.5):
     return got
 
 
+def reported(out, expected, timeout_s=60):
+    """Waits for the report `expected` (a prefix of it); returns every report seen meanwhile."""
+    seen, deadline = [], time.time() + timeout_s
+    while time.time() < deadline:
+        seen += drain(out, 0.5)
+        if any(tuple(r[:len(expected)]) == expected for r in seen):
+            return seen
+    raise AssertionError(f"no report {expected} within {timeout_s}s: {seen}")
+
+
 def published(sender, version):
     t0 = time.monotonic()
     sender.publish(version, weights(version))
@@ -75,10 +85,9 @@ def test_the_group_goes_on_without_a_dead_member_and_admits_restarted_and_attach
     os.kill(procs[2].pid, signal.SIGKILL)  # member 2 dies, as when its node goes
     procs[2].join(timeout=10)
     slowest = max(published(sender, 2), published(sender, 3))  # the failure shows, then a call forms a group of one
-    assert slowest < CALL_WAIT_S + 10  # one call's wait for the dead member's answer, not a timeout
+    assert slowest < CALL_WAIT_S + 30  # one call's wait for the dead member's answer, not a timeout (20 s, 60 s)
     assert sender.members == [1]
-    seen = drain(out, 2)
-    assert ("got", 1, 3) in [g[:3] for g in seen], seen
+    reported(out, ("got", 1, 3))
 
     # Member 2 starts again (a restart keeps its rank) and member 7 attaches from another launch (attempt unknown).
     procs[2] = start(str(tmp_path), 2, out)
@@ -87,7 +96,7 @@ def test_the_group_goes_on_without_a_dead_member_and_admits_restarted_and_attach
     while not all(sender.store.check([f"join/{m}"]) for m in (2, 7)):  # both have presented the token
         assert time.time() < deadline, "the new members did not claim their ranks"
         time.sleep(0.05)
-    assert published(sender, 4) < CALL_WAIT_S + 10
+    assert published(sender, 4) < CALL_WAIT_S + 30
     assert sender.members == [1, 2, 7]
     published(sender, 5)
     sender.close()
@@ -123,8 +132,8 @@ def test_a_member_that_stalls_costs_the_member_timeout_once(tmp_path):
         sender.publish(3, big)
         took = time.monotonic() - t0
         assert sender.members == [1]
-        assert took < 3 + CALL_WAIT_S + 15, took
-        assert ("got", 1, 3) in [g[:3] for g in drain(out, 5)]
+        assert took < 3 + CALL_WAIT_S + 30, took  # one member timeout and one call, not weights.timeout_s
+        reported(out, ("got", 1, 3))
     finally:
         os.kill(procs[2].pid, signal.SIGKILL)
         sender.close()

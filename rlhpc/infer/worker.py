@@ -146,7 +146,7 @@ def make_receiver(cfg: Config, ident: Identity, run: RunDir) -> WeightsReceiver:
         return FilesystemReceiver(run, version=0)
     # An attached worker joins whatever attempt of the run rendezvous/weights.json holds (attempt=None).
     return BroadcastReceiver(run, ident.rank + 1, cfg.weights.timeout_s, None if ident.attached else ident.attempt,
-                             abort=lambda: _failed(run))
+                             abort=lambda: _failed(run), member_timeout_s=cfg.weights.member_timeout_s)
 
 
 def _failed(run: RunDir) -> Optional[str]:

@@ -60,7 +60,7 @@ class WeightsSender(ABC):
 class WeightsReceiver(ABC):
     @abstractmethod
     def poll(self) -> Optional[Update]:
-        """The newest update not yet returned, or None."""
+        """The newest update not yet returned, or None. Its tensors are valid until the next call."""
 
     def closed(self) -> bool:
         """True once the sender said it will send nothing more."""
@@ -434,6 +434,10 @@ class BroadcastReceiver(WeightsReceiver):
         self.layout = self.buckets = None
         self._lock = threading.Lock()
         self._latest: Optional[Update] = None
+        # The receive buffers (one flat tensor per bucket) behind the update waiting for `poll` and behind the one
+        # `poll` last returned, and a free set kept for the next update.
+        self._pending = self._lent = None
+        self._free: list = []
         self._closed = False
         self._arrived = threading.Event()  # set while an update (or the end) waits for `poll`
         self.error: Optional[BaseException] = None
@@ -523,16 +527,18 @@ class BroadcastReceiver(WeightsReceiver):
             self.layout = [(n, s, d) for n, s, d in info["tensors"]]
             self.buckets = _bucketize(self.layout, info["bucket_bytes"])
         layout = self.layout
+        with self._lock:
+            flats = self._free.pop() if self._free else None
+        if flats is None:
+            flats = [torch.empty(sum(_numel(layout[i][1]) for i in bucket), dtype=dtype_of(layout[bucket[0]][2]),
+                                 device=self.device) for bucket in self.buckets]
         tensors: List[Tuple[str, torch.Tensor]] = []
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         try:
-            posted = []  # every bucket's receive is posted at once, so the next one lands while this one is waited for
-            for bucket in self.buckets:
-                flat = torch.empty(sum(_numel(layout[i][1]) for i in bucket), dtype=dtype_of(layout[bucket[0]][2]),
-                                   device=self.device)
-                posted.append((self.group.broadcast([flat], opts), flat, bucket))
-            for work, flat, bucket in posted:
+            # Every bucket's receive is posted at once, so the next one lands while this one is waited for.
+            posted = [self.group.broadcast([flat], opts) for flat in flats]
+            for work, flat, bucket in zip(posted, flats, self.buckets):
                 work.wait()
                 for (name, shape, _), part in zip((layout[i] for i in bucket),
                                                   flat.split([_numel(layout[i][1]) for i in bucket])):
@@ -541,16 +547,32 @@ class BroadcastReceiver(WeightsReceiver):
             log.warning("weights group epoch %d failed receiving version %d (%s); waiting for the next epoch",
                         self.group_epoch, version, str(e).splitlines()[0][:200])
             self._drop_group()
+            self._release(flats)
             return
         with self._lock:
-            self._latest = Update(version, tensors)
+            if self._pending is not None:  # replaced before the worker took it
+                self._release(self._pending)
+            self._latest, self._pending = Update(version, tensors), flats
             self._arrived.set()
 
+    def _release(self, flats) -> None:
+        """Keeps one set of buffers for the next update (the pages stay mapped: no page faults on the next receive);
+        further sets are let go."""
+        if not self._free:
+            self._free.append(flats)
+
     def poll(self) -> Optional[Update]:
+        """The newest update; its tensors are valid until the next call (their buffers are then reused: apply them,
+        e.g. `engine.update_weights`, which copies, before polling again)."""
         if self.error is not None:
             raise RuntimeError(f"weights group failed: {self.error}") from self.error
         with self._lock:
+            if self._lent is not None:
+                self._release(self._lent)
+                self._lent = None
             update, self._latest = self._latest, None
+            if update is not None:
+                self._lent, self._pending = self._pending, None
             if not self._closed:
                 self._arrived.clear()
         return update
