@@ -27,6 +27,10 @@ def identity() -> Identity:
     if "SLURM_JOB_ID" in os.environ:
         from rlhpc.cluster.slurm_identity import identity_from_slurm
 
+        # The task's GPU (trainer: cuda:LOCAL_RANK; engines: rlhpc/infer/engines): the job script exports it, a
+        # hand-written `srun python -m rlhpc.role` may not.
+        if "SLURM_LOCALID" in os.environ:
+            os.environ.setdefault("LOCAL_RANK", os.environ["SLURM_LOCALID"])
         return identity_from_slurm(os.environ)
     raise RuntimeError("rlhpc.role needs RLHPC_ROLE/RLHPC_RANK/RLHPC_ROLE_SIZE/RLHPC_RUN_DIR or a Slurm job environment")
 

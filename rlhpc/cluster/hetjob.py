@@ -264,6 +264,9 @@ def render_script(plan: JobPlan, exp_name: str = "") -> str:
         f"export RLHPC_MAX_RESTARTS={plan.max_restarts}",
         "export PYTHONUNBUFFERED=1",
     ]
+    if plan.trainer.gpus_per_node or plan.inference.gpus_per_node:
+        env += ["# GPUs: every task sees its node's GPUs (--gpus-per-node) and takes its own by SLURM_LOCALID, exported",
+                "# as LOCAL_RANK below: trainer rank -> cuda:LOCAL_RANK, inference worker -> its engine's GPUs."]
     if plan.setup:
         env += ["", "# cluster.setup"] + list(plan.setup)
     env += ["", "set -u"]  # after the setup lines: activation scripts often read unset variables
@@ -271,6 +274,23 @@ def render_script(plan: JobPlan, exp_name: str = "") -> str:
 
 
 # ---- the plan as a user reads it -------------------------------------------------------------------------------
+
+
+def gpu_binding(plan: JobPlan, cfg: Config) -> List[str]:
+    """Which GPUs each task computes on. Every task sees all of its node's GPUs (`--gpus-per-node`, not
+    `--gpus-per-task`: a vLLM worker with tensor_parallel_size > 1 needs several, and trainer ranks of one node reach
+    each other's GPUs for NCCL's peer-to-peer paths) and takes its own by its rank on the node, SLURM_LOCALID, which
+    the task exports as LOCAL_RANK (docs/gpu.md)."""
+    lines = []
+    if plan.trainer.gpus_per_node:
+        lines.append(f"  GPUs: trainer rank -> cuda:LOCAL_RANK (1 of {plan.trainer.gpus_per_node} per node), NCCL")
+    if plan.inference.gpus_per_node:
+        inf, pd = cfg.inference, cfg.inference.disaggregation
+        per = inf.tensor_parallel_size if inf.engine == "vllm" else 1
+        per += (pd.prefill_tensor_parallel_size or per) if pd.enabled else 0  # prefill and decode instances
+        lines.append(f"  GPUs: inference worker -> {per} GPU(s) from LOCAL_RANK x {per} "
+                     f"(of {plan.inference.gpus_per_node} per node)")
+    return lines
 
 
 def describe(plan: JobPlan, cfg: Config, launcher: str) -> str:
@@ -295,6 +315,7 @@ def describe(plan: JobPlan, cfg: Config, launcher: str) -> str:
         f"kv cache {cfg.inference.kv_cache_dtype}"
         + (f", kv_transfer_config {dict(cfg.inference.kv_transfer_config)}" if cfg.inference.kv_transfer_config
            else "") + ")",
+        *gpu_binding(plan, cfg),
         f"  weights group: {plan.inference.tasks + 1} members (trainer rank 0 + {plan.inference.tasks} inference "
         f"workers), transport {w.transport}",
         f"  steps: sft={cfg.sft.steps} rl={cfg.trainer.steps} async_level={cfg.async_level} "

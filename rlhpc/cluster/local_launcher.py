@@ -34,6 +34,31 @@ class Proc:
         return f"{self.role}-{self.rank}"
 
 
+def local_gpus(cfg: Config, role: str, rank: int, visible: List[str] | None = None) -> dict:
+    """Where a role process computes on this machine (nothing without GPUs): trainer rank r on GPU r (LOCAL_RANK=r,
+    all GPUs visible, as NCCL wants); inference worker r on the inference.tensor_parallel_size GPUs after the trainer's,
+    wrapping around to share them when the machine has too few (then lower inference.gpu_memory_utilization)."""
+    if visible is None:
+        from_env = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if from_env is not None:
+            visible = [d for d in from_env.split(",") if d.strip()]
+        else:
+            import torch
+
+            visible = [str(i) for i in range(torch.cuda.device_count())]  # NVML: creates no CUDA context
+    if not visible:
+        return {}
+    if role == "trainer":
+        return {"LOCAL_RANK": str(rank)}
+    tp = max(cfg.inference.tensor_parallel_size, 1)
+    pd = cfg.inference.disaggregation
+    if pd.enabled:  # a worker's prefill and decode instances
+        tp += pd.prefill_tensor_parallel_size or tp
+    first = cfg.trainer.num_ranks + rank * tp
+    mine = [visible[(first + i) % len(visible)] for i in range(min(tp, len(visible)))]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(mine), "LOCAL_RANK": "0"}
+
+
 class LocalLauncher:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -56,7 +81,7 @@ class LocalLauncher:
         env.update(
             RLHPC_ROLE=role, RLHPC_RANK=str(rank), RLHPC_ROLE_SIZE=str(size), RLHPC_RUN_DIR=str(run.root),
             RLHPC_ATTEMPT=self.attempt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.cfg.trainer.threads),
-            **self.env, **extra_env,
+            **local_gpus(self.cfg, role, rank), **self.env, **extra_env,
         )
         log = open(run.log_file(role, rank), "ab")
         popen = subprocess.Popen(

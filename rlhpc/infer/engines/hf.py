@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Iterable, List, Sequence, Tuple
 
 import torch
@@ -19,7 +20,7 @@ class HFEngine(Engine):
     @classmethod
     def from_pretrained(cls, path: str, dtype: str = "float32", seed: int = 0) -> "HFEngine":
         torch.manual_seed(seed)  # each worker samples its own stream
-        model = load_model(path, dtype=dtype).eval()
+        model = load_model(path, dtype=dtype).eval().to(local_device())
         return cls(model, model.config.pad_token_id if model.config.pad_token_id is not None else 0)
 
     @torch.no_grad()
@@ -38,6 +39,8 @@ class HFEngine(Engine):
         for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
             ids[i, width - len(p) :] = torch.as_tensor(p)
             mask[i, width - len(p) :] = 1
+        device = next(self.model.parameters()).device  # the worker's GPU (local_device), else the CPU
+        ids, mask = ids.to(device), mask.to(device)  # one copy each, after the padding is laid out
         sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if not greedy else dict(do_sample=False)
         was_training = self.model.training
         self.model.eval()
@@ -59,7 +62,7 @@ class HFEngine(Engine):
         if greedy:
             scores = scores / temperature
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        stops = torch.as_tensor(list(stop_token_ids))
+        stops = torch.as_tensor(list(stop_token_ids), device=new.device)
         is_stop = torch.isin(new, stops)
         # Length of each completion: up to and including its first stop token.
         first_stop = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, torch.full_like(new[:, 0], new.shape[1]))
@@ -91,7 +94,17 @@ class HFEngine(Engine):
     def score(self, sequences: Sequence[Sequence[int]], temperature: float) -> List[List[float]]:
         out = []
         for seq in sequences:
-            ids = torch.as_tensor([list(seq)])
+            ids = torch.as_tensor([list(seq)], device=next(self.model.parameters()).device)
             logits = self.model(input_ids=ids).logits[0, :-1].float() / temperature
             out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist())
         return out
+
+
+def local_device() -> torch.device:
+    """This worker's GPU: cuda:LOCAL_RANK among the visible ones (the launchers set both; rlhpc/cluster), made the
+    current device so that the NCCL weights group receives there too; the CPU without GPUs."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
