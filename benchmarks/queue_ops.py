@@ -2,10 +2,10 @@
 
     python benchmarks/queue_ops.py [--workers 64] [--steps 12] [--train-s 0.5] [--generate-s 2.0] [--dir DIR]
 
-A trainer thread claims, "trains" (sleeps --train-s), and publishes progress, as rlhpc/train/trainer.py does; each of
---workers threads runs the waiting policy of rlhpc/infer/worker.py (back-pressure on pending and in-flight batches,
-backing off up to queue.poll_max_s) and "generates" a batch in --generate-s under an in-flight lease, then publishes
-it. Weights arrive by broadcast (in memory) in a real run, so here a worker takes its version from progress.json,
+A trainer thread claims, "trains" (sleeps --train-s), publishes progress and records the step, as
+rlhpc/train/trainer.py does; each of --workers threads runs the waiting policy of rlhpc/infer/worker.py
+(back-pressure on pending and in-flight batches, backing off up to queue.poll_max_s) and "generates" a batch in
+--generate-s under an in-flight lease, then publishes it. Weights arrive by broadcast (in memory) in a real run, so here a worker takes its version from progress.json,
 which it reads anyway. Workers produce faster than the trainer consumes, so most of them wait most of the time:
 the case that matters on a cluster.
 
@@ -121,10 +121,11 @@ class Sim:
     def trainer(self) -> None:
         a, q = self.a, self.q
         for step in range(a.steps):
-            q.claim(step, a.groups_per_step, step - a.async_level, timeout_s=120, max_version=step)
+            claim = q.claim(step, a.groups_per_step, step - a.async_level, timeout_s=120, max_version=step)
             q.set_progress(claimed=step + 1, version=step)
             time.sleep(a.train_s)
             q.set_progress(claimed=step + 1, version=step + 1)
+            q.record(step, claim)  # the ledger line, which makes the claim durable
             q.retire_before(step + 1, keep=False)
             with _lock:
                 self.step_times.append((time.monotonic(), sum(_counts.values()), dict(_counts)))

@@ -1,20 +1,33 @@
 """Queue throughput: publish + claim + load through rlhpc.transport.queue, against a raw write + read of the same bytes.
 
     python benchmarks/queue_throughput.py [--dir DIR] [--files 40] [--groups 8] [--group-size 8] [--tokens 512]
+                                          [--producers 8,64] [--concurrent-files 256] [--step-files 8]
 
 Both sides write to the same filesystem (DIR, default a temp folder; point it at the shared filesystem of a cluster)
-and fsync each file, so the ratio is the cost of the queue's format, atomic rename, claim and checks.
+and fsync each file, so the ratio is the cost of the queue's format, atomic rename, claim, checks and per-step records.
+
+First one producer publishes --files files, then a trainer claims and records them, --files-per-step a step (the lines
+`rlhpc publish+claim+load`, `raw write+fsync+read`, `ratio`). Then, for each count in --producers, that many producers
+share --concurrent-files files, publishing as fast as they can, while the trainer claims steps of --step-files files
+and does its per-step bookkeeping as rlhpc/train/claims.py does (progress.json twice, the ledger line that makes the
+claim durable); raw: as many producers write + fsync the same bytes while one reader reads each file once told it is
+written. Producers are threads of one process, the trainer (and the raw reader) a process of its own: a trainer never
+shares an interpreter with workers. Times run from the start to the last file loaded, best of --repeats. Retiring
+the trained steps (deleting their files: at checkpoints in a run) is timed apart, since the raw side deletes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 
@@ -42,33 +55,140 @@ def make_batch(groups: int, group_size: int, tokens: int, seed: int) -> RolloutB
     )
 
 
-def bench_queue(root: Path, batches, groups_per_step: int) -> tuple[float, int]:
+# ---- one producer, then the trainer ----------------------------------------------------------------------------------
+
+
+def bench_queue(root: Path, batches, groups_per_step: int) -> tuple[float, float]:
+    """(seconds to publish, claim and record every batch, seconds to retire the trained steps)."""
     q = Queue(root)
     t0 = time.perf_counter()
     for i, b in enumerate(batches):
         q.publish(b, "w0", i)
-    nbytes = sum(p.stat().st_size for p in q.pending_files())
     step, claimed = 0, 0
     while claimed < len(batches):
         c = q.claim(step, groups_per_step, min_version=0, timeout_s=10)
+        q.record(step, c)  # makes the claim durable (one fsync a step)
         claimed += len(c.files)
-        q.retire_before(step + 1, keep=False)
         step += 1
-    return time.perf_counter() - t0, nbytes
+    t_queue = time.perf_counter() - t0
+    q.retire_before(step, keep=False)
+    return t_queue, time.perf_counter() - t0 - t_queue
 
 
 def bench_raw(root: Path, payloads) -> float:
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     for i, data in enumerate(payloads):
-        with open(root / f"{i}.bin", "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_fsync(root / f"{i}.bin", data)
     for i in range(len(payloads)):
         with open(root / f"{i}.bin", "rb") as f:
             f.read()
     return time.perf_counter() - t0
+
+
+def write_fsync(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---- many producers, the trainer claiming meanwhile -----------------------------------------------------------------
+
+
+def run_concurrent(producers: int, produce: Callable[[int], None], consume: Callable[[], None]) -> float:
+    """Seconds from a common start until `consume()` returns, with `produce(rank)` running on `producers` threads.
+
+    `consume` runs in a forked process of its own, as the trainer does: sharing an interpreter lock with the producers
+    would charge the trainer for their Python work. The producers share one, which can only slow them."""
+    ctx = mp.get_context("fork")
+    ready, go, result = ctx.Event(), ctx.Event(), ctx.SimpleQueue()
+
+    def consumer() -> None:
+        torch.set_num_threads(1)  # as DataLoader workers do: the parent's thread pool does not survive a fork
+        ready.set()
+        go.wait()
+        try:
+            consume()
+            result.put(time.perf_counter())  # CLOCK_MONOTONIC: the same clock in both processes
+        except BaseException as e:  # noqa: BLE001 - reported by the parent
+            result.put(f"the consumer failed: {type(e).__name__}: {e}")
+
+    proc = ctx.Process(target=consumer, daemon=True)
+    proc.start()
+    ready.wait()
+    start, errors = threading.Event(), []
+
+    def producer(rank: int) -> None:
+        start.wait()
+        try:
+            produce(rank)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=producer, args=(r,), daemon=True) for r in range(producers)]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    go.set()
+    start.set()
+    for t in threads:
+        t.join()
+    if errors:
+        proc.kill()
+        raise errors[0]
+    end = result.get()
+    proc.join()
+    if isinstance(end, str):
+        raise RuntimeError(end)
+    return end - t0
+
+
+def bench_queue_concurrent(root: Path, shares: Sequence[Sequence[RolloutBatch]], files_per_step: int,
+                           groups: int) -> tuple[float, float]:
+    """(seconds until the trainer has claimed every file, seconds to retire the trained steps)."""
+    total = sum(len(s) for s in shares)
+    Queue(root)  # the folders, before anyone starts
+
+    def produce(rank: int) -> None:
+        q = Queue(root)  # each worker has its own
+        for seq, b in enumerate(shares[rank]):
+            q.publish(b, f"w{rank}", seq)
+
+    def consume() -> None:
+        trainer = Queue(root)
+        claimed, step = 0, 0
+        while claimed < total:
+            c = trainer.claim(step, files_per_step * groups, min_version=0, timeout_s=60, max_version=step)
+            trainer.set_progress(claimed=step + 1, version=step)
+            trainer.set_progress(claimed=step + 1, version=step + 1)  # the step "trained": rlhpc/train/claims.py
+            trainer.record(step, c)
+            claimed += len(c.files)
+            step += 1
+
+    t_queue = run_concurrent(len(shares), produce, consume)
+    t0 = time.perf_counter()
+    Queue(root).retire_before(1 << 30, keep=False)
+    return t_queue, time.perf_counter() - t0
+
+
+def bench_raw_concurrent(root: Path, shares: Sequence[Sequence[bytes]]) -> float:
+    root.mkdir(parents=True, exist_ok=True)
+    total = sum(len(s) for s in shares)
+    written = mp.get_context("fork").SimpleQueue()
+
+    def produce(rank: int) -> None:
+        for seq, data in enumerate(shares[rank]):
+            path = root / f"w{rank}-{seq}.bin"
+            write_fsync(path, data)
+            written.put(str(path))
+
+    def consume() -> None:
+        for _ in range(total):
+            with open(written.get(), "rb") as f:
+                f.read()
+
+    return run_concurrent(len(shares), produce, consume)
 
 
 def main() -> None:
@@ -78,26 +198,54 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--files-per-step", type=int, default=2, help="queue files a trainer step claims")
+    ap.add_argument("--files-per-step", type=int, default=2, help="queue files a trainer step claims (one producer)")
+    ap.add_argument("--producers", default="8,64", help="producer counts for the concurrent runs ('' for none)")
+    ap.add_argument("--concurrent-files", type=int, default=256, help="files of each concurrent run, all producers")
+    ap.add_argument("--step-files", type=int, default=8, help="queue files a trainer step claims (concurrent runs)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     base = Path(args.dir or tempfile.mkdtemp(prefix="rlhpc-queue-bench-"))
     batches = [make_batch(args.groups, args.group_size, args.tokens, i) for i in range(args.files)]
     payloads = [b.to_bytes("w0") for b in batches]
-    best_q, best_r, nbytes = float("inf"), float("inf"), 0
+    best_q, best_r, best_retire = float("inf"), float("inf"), float("inf")
     for r in range(args.repeats):
         shutil.rmtree(base / "q", ignore_errors=True)
         shutil.rmtree(base / "raw", ignore_errors=True)
-        tq, nbytes = bench_queue(base / "q", batches, args.groups * args.files_per_step)
+        tq, t_retire = bench_queue(base / "q", batches, args.groups * args.files_per_step)
         tr = bench_raw(base / "raw", payloads)
-        best_q, best_r = min(best_q, tq), min(best_r, tr)
-    shutil.rmtree(base, ignore_errors=True)
-    mb = nbytes / 1e6
+        best_q, best_r, best_retire = min(best_q, tq), min(best_r, tr), min(best_retire, t_retire)
+    mb = sum(len(p) for p in payloads) / 1e6
     print(f"queue: {args.files} files x {args.groups} groups x {args.group_size} samples x {args.tokens} tokens "
           f"= {mb:.1f} MB, best of {args.repeats}")
     print(f"  rlhpc publish+claim+load : {mb / best_q:8.1f} MB/s  ({best_q * 1e3:.0f} ms)")
     print(f"  raw write+fsync+read     : {mb / best_r:8.1f} MB/s  ({best_r * 1e3:.0f} ms)")
     print(f"  ratio rlhpc/raw throughput: {best_r / best_q:.2f}")
+    print(f"  (retiring the {args.files // args.files_per_step} trained steps, not timed above: "
+          f"{best_retire * 1e3:.0f} ms)")
+
+    counts = [int(p) for p in args.producers.split(",") if p.strip()]
+    if counts:
+        print(f"concurrent: producers publishing {args.concurrent_files} files in all while the trainer claims "
+              f"{args.step_files} files a step; best of {args.repeats}")
+        print(f"  {'producers':>9} {'files':>6} {'MB':>7} {'queue s':>8} {'raw s':>7} {'queue/raw throughput':>21} "
+              f"{'retire s':>9}")
+    for producers in counts:
+        files = args.concurrent_files - args.concurrent_files % args.step_files
+        batches = [make_batch(args.groups, args.group_size, args.tokens, i) for i in range(files)]
+        payloads = [b.to_bytes(f"w{i % producers}") for i, b in enumerate(batches)]
+        shares = [batches[r::producers] for r in range(producers)]
+        raw_shares = [payloads[r::producers] for r in range(producers)]
+        best_q, best_r, best_retire = float("inf"), float("inf"), float("inf")
+        for r in range(args.repeats):
+            shutil.rmtree(base / "q", ignore_errors=True)
+            shutil.rmtree(base / "raw", ignore_errors=True)
+            tq, t_retire = bench_queue_concurrent(base / "q", shares, args.step_files, args.groups)
+            tr = bench_raw_concurrent(base / "raw", raw_shares)
+            best_q, best_r, best_retire = min(best_q, tq), min(best_r, tr), min(best_retire, t_retire)
+        mb = sum(len(p) for p in payloads) / 1e6
+        print(f"  {producers:>9} {files:>6} {mb:>7.1f} {best_q:>8.3f} {best_r:>7.3f} {best_r / best_q:>21.2f} "
+              f"{best_retire:>9.3f}")
+    shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load, save
 
 from rlhpc.transport.queue import Group, Queue, RolloutBatch
 
@@ -156,6 +157,66 @@ def test_the_ledger_records_each_trained_group_once_and_is_cut_back_on_resume(tm
     assert [e["step"] for e in q.ledger()] == [0, 1, 2]
     q.truncate_ledger(before_step=1)
     assert [e["step"] for e in q.ledger()] == [0]
+
+
+def test_a_published_file_is_plain_safetensors_that_the_library_loads_alone(tmp_path):
+    b = make_batch()
+    path = Queue(tmp_path).publish(b, "w0", 0)
+    tensors = load(path.read_bytes())
+    assert tensors["tokens"].dtype == torch.int32 and torch.equal(tensors["tokens"].long(), b.tokens)
+    assert torch.equal(tensors["loss_mask"].bool(), b.loss_mask) and torch.equal(tensors["offsets"], b.offsets)
+    assert torch.equal(tensors["logprobs"], b.logprobs) and torch.equal(tensors["advantages"], b.advantages)
+
+
+def test_a_file_written_by_the_safetensors_library_itself_loads(tmp_path):
+    """Files of the layout the queue wrote before it wrote safetensors itself, still pending at an upgrade."""
+    b = make_batch()
+    data = save({"tokens": b.tokens.int(), "offsets": b.offsets, "logprobs": b.logprobs,
+                 "loss_mask": b.loss_mask.to(torch.uint8), "advantages": b.advantages, "group_of": b.group_of.int()},
+                metadata={"rlhpc": json.dumps({"producer": "w0", "groups": [g.__dict__ for g in b.groups]})})
+    got = RolloutBatch.from_bytes(data)
+    assert torch.equal(got.tokens, b.tokens) and [g.uid for g in got.groups] == [g.uid for g in b.groups]
+
+
+def test_a_claim_whose_manifest_a_power_loss_emptied_gets_the_same_files_again(tmp_path):
+    q = Queue(tmp_path)
+    for s in range(4):
+        q.publish(make_batch(tag=f"f{s}"), "w0", s)
+    first = q.claim(0, num_groups=4, min_version=0, timeout_s=1)
+    q.record(0, first)
+    (q.step_dir(0) / "manifest.json").write_bytes(b"")  # its bytes are not fsynced, only its name
+    again = Queue(tmp_path).claim(0, num_groups=4, min_version=0, timeout_s=1)
+    assert sorted(again.files) == sorted(first.files) and len(q.pending_files()) == 2
+
+
+def test_a_steps_durability_costs_two_fsyncs_whatever_its_number_of_files(tmp_path, monkeypatch):
+    q = Queue(tmp_path)
+    for s in range(8):
+        q.publish(make_batch(tag=f"f{s}"), "w0", s)
+    fsyncs = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real(fd))[1])
+    claim = q.claim(0, num_groups=16, min_version=0, timeout_s=1)
+    assert len(claim.files) == 8 and fsyncs == []  # durable once recorded: nothing depends on it before
+    q.record(0, claim)
+    assert len(fsyncs) == 2  # the step's folder, then the ledger
+
+
+def test_counts_are_written_once_per_claim_however_many_files_it_sets_aside(tmp_path, monkeypatch):
+    import rlhpc.transport.queue as queue_module
+
+    q = Queue(tmp_path)
+    for i in range(10):
+        (q.pending / f"bad-{i:08d}.safetensors").write_bytes(b"junk")
+        q.publish(make_batch(version=0, tag=f"stale{i}"), "w0", i)
+    q.publish(make_batch(version=5, tag="fresh"), "w0", 99)
+    writes = []
+    real = queue_module.write_json
+    monkeypatch.setattr(queue_module, "write_json",
+                        lambda path, *a, **k: (writes.append(path.name), real(path, *a, **k)))
+    q.claim(5, num_groups=2, min_version=5, timeout_s=5, max_version=5)
+    assert writes.count("counts.json") == 1
+    assert Queue(tmp_path).counts() == {"pending_files": 0, "dropped_files": 10, "quarantined_files": 10}
 
 
 def test_metadata_is_json_in_the_safetensors_header(tmp_path):

@@ -37,6 +37,21 @@ def with_tensors(edit) -> bytes:
     return save(tensors, metadata=meta)
 
 
+def with_header(edit) -> bytes:
+    """A valid file whose safetensors header `edit` changed (the JSON padded back to a multiple of 8 bytes)."""
+    data = valid_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + n :]
+
+
+def shift(header, name, by):
+    header[name]["data_offsets"] = [o + by for o in header[name]["data_offsets"]]
+
+
 INVALID = {
     "unreadable bytes": (b"\x00\x01garbage" * 10, "not a readable rollout file"),
     "truncated": (valid_bytes()[:300], "not a readable rollout file"),
@@ -63,6 +78,11 @@ INVALID = {
     "token id beyond the vocabulary": (with_tensors(lambda t: t["tokens"].__setitem__(0, 10**6)),
                                        "beyond the model's vocabulary (1000)"),
     "version from the future": (valid_bytes(version=9), "version 9 is from the future"),
+    "byte ranges that overlap": (with_header(lambda h: shift(h, "tokens", -4)), "not a readable rollout file"),
+    "a byte range beyond the file": (with_header(lambda h: shift(h, "loss_mask", 8)), "not a readable rollout file"),
+    "a shape that does not match its bytes": (with_header(lambda h: h["tokens"].update(shape=[3])),
+                                              "not a readable rollout file"),
+    "an unknown dtype": (with_header(lambda h: h["tokens"].update(dtype="Q7")), "not a readable rollout file"),
 }
 
 

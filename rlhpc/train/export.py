@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
 from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+from rlhpc.dtypes import SAFETENSORS_NAMES, safetensors_header
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -63,19 +60,17 @@ def write_safetensors_stream(out_dir: Path, layout: Sequence[Tuple[str, Sequence
             for i in idx:
                 name, shape, dtype = layout[i]
                 nbytes = _nbytes(shape, dtype)
-                header[name] = {"dtype": _ST_DTYPES[dtype], "shape": [int(s) for s in shape],
+                header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": [int(s) for s in shape],
                                 "data_offsets": [offset, offset + nbytes]}
                 starts.append(offset)
                 offset += nbytes
                 weight_map[name] = fname
-            raw = json.dumps(header, separators=(",", ":")).encode()
-            raw += b" " * (-len(raw) % 8)
+            raw = safetensors_header(header)
             h = open(out_dir / (fname + ".tmp"), "wb")
             handles.append(h)
-            h.write(struct.pack("<Q", len(raw)))
             h.write(raw)
             for i, start in zip(idx, starts):
-                where[i] = (f, 8 + len(raw) + start)
+                where[i] = (f, len(raw) + start)
         count = 0
         for i, (name, t) in enumerate(stream):
             want, shape, dtype = layout[i]

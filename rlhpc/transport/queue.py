@@ -13,8 +13,9 @@
     queue/ledger.jsonl                           one line per trained (or skipped) step: the group uids it consumed
 
 A file is a safetensors blob: the samples of many groups packed flat (token ids, inference logprobs, loss mask) with
-offsets, per-sample advantages and rewards, and the groups' metadata as JSON in the header. A claim is durable: after
-a crash, resuming step k trains on exactly the files in steps/k (validated again: what fails goes to quarantine/).
+offsets, per-sample advantages and rewards, and the groups' metadata as JSON in the header. A claim is durable once
+its step is recorded: after a crash, resuming step k trains on exactly the files in steps/k (validated again: what
+fails goes to quarantine/).
 No file can stop the run: whatever its bytes, it is trained on, dropped, or quarantined with the reason.
 """
 
@@ -29,12 +30,11 @@ import threading
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
+from rlhpc.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES, safetensors_header
 from rlhpc.rundir import atomic_write, fsync_dir, read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -87,26 +87,37 @@ class RolloutBatch:
         return self.offsets[1:] - self.offsets[:-1]
 
     def to_bytes(self, producer: str) -> bytes:
-        tensors = {
-            "tokens": self.tokens.to(torch.int32),
-            "offsets": self.offsets.to(torch.int64),
-            "logprobs": self.logprobs.to(torch.float32),
-            "loss_mask": self.loss_mask.to(torch.uint8),
-            "advantages": self.advantages.to(torch.float32),
-            "group_of": self.group_of.to(torch.int32),
-        }
+        return b"".join(self.to_buffers(producer))
+
+    def to_buffers(self, producer: str) -> List[Any]:
+        """The safetensors file as buffers to write one after the other: the header, then each tensor's own memory
+        (no pickling, no copy but the dtype conversions of _DTYPES). Tensors go widest dtype first, after a header
+        padded to 8 bytes, so that each starts aligned; any safetensors reader loads the file."""
+        header: Dict[str, Any] = {}
+        buffers, end = [], 0
+        for name, dtype in _DTYPES.items():
+            t = getattr(self, name).detach().to("cpu", dtype).contiguous()
+            data = memoryview(t.numpy()).cast("B")
+            header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(t.shape),
+                            "data_offsets": [end, end + len(data)]}
+            buffers.append(data)
+            end += len(data)
         meta = {"producer": producer, "groups": [g.__dict__ for g in self.groups]}
-        return st_save(tensors, metadata={"rlhpc": json.dumps(meta)})
+        header["__metadata__"] = {"rlhpc": json.dumps(meta)}
+        return [safetensors_header(header), *buffers]
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "RolloutBatch":
+    def from_bytes(cls, data: Union[bytes, bytearray]) -> "RolloutBatch":
         """Parses and checks a queue file; raises ValueError with the reason if it is not a valid one: unreadable
         bytes, missing or malformed metadata, a tensor of the wrong dtype or shape, sizes that do not add up, zero
         groups, non-finite values, negative token ids. A file that passes cannot crash or poison the trainer (except
-        by token ids beyond the model's vocabulary, which the trainer's queue checks with `vocab_size`)."""
+        by token ids beyond the model's vocabulary, which the trainer's queue checks with `vocab_size`).
+
+        The float tensors and offsets view `data` when it is a bytearray (Queue reads files into one); bytes are
+        copied once, since tensors must not write into an immutable object."""
         try:
-            meta = json.loads(_header_metadata(data)["rlhpc"])
-            tensors = st_load(data)
+            header, tensors = _safetensors(data if isinstance(data, bytearray) else bytearray(data))
+            meta = json.loads(header["rlhpc"])
         except Exception as e:  # noqa: BLE001 - whatever the bytes make the parsers raise, the file is unreadable
             raise ValueError(f"not a readable rollout file: {type(e).__name__}: {e}") from None
         for name, dtype in _DTYPES.items():
@@ -137,14 +148,16 @@ class RolloutBatch:
             and b.group_of.numel() == s
         ):
             raise ValueError("inconsistent tensor sizes")
-        if int(b.group_of.min()) < 0 or int(b.group_of.max()) >= len(groups) or \
+        # Ranges by aminmax: one pass each, and NaN or inf shows in the min or max (torch.isfinite is 10x slower).
+        lo, hi = (int(x) for x in torch.aminmax(b.group_of))
+        if lo < 0 or hi >= len(groups) or \
                 torch.bincount(b.group_of, minlength=len(groups)).tolist() != [g.num_samples for g in groups]:
             raise ValueError("samples do not match the groups' num_samples")
-        if t and int(b.tokens.min()) < 0:
+        if t and int(torch.aminmax(tensors["tokens"]).min) < 0:
             raise ValueError("negative token ids")
-        if not bool(torch.isfinite(b.advantages).all()):
+        if not all(math.isfinite(x) for x in torch.aminmax(b.advantages)):
             raise ValueError("non-finite advantages")
-        if not bool(torch.isfinite(b.logprobs).all()):
+        if t and not all(math.isfinite(x) for x in torch.aminmax(b.logprobs)):
             raise ValueError("non-finite logprobs")
         if t and int(tensors["loss_mask"].max()) > 1:
             raise ValueError("loss_mask values other than 0 and 1")
@@ -173,19 +186,48 @@ class RolloutBatch:
         )
 
 
-def _header_metadata(data: bytes) -> Dict[str, str]:
+def _safetensors(data: bytearray) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+    """The metadata and tensors of a safetensors file, checked as the safetensors library checks them (a JSON header;
+    each tensor of a known dtype, its shape matching its byte range; the ranges tiling the data exactly). The tensors
+    view `data`: parsing copies nothing (safetensors.torch.load copies every byte twice)."""
     n = int.from_bytes(data[:8], "little")
-    if n <= 0 or n > len(data) - 8:
+    if len(data) < 8 or n <= 0 or n > len(data) - 8:
         raise ValueError("bad safetensors header length")
     header = json.loads(data[8 : 8 + n])
     if not isinstance(header, dict) or not isinstance(header.get("__metadata__", {}), dict):
         raise ValueError("bad safetensors header")
-    return header.get("__metadata__", {})
+    meta = header.pop("__metadata__", {})
+    start, entries = 8 + n, []
+    for name, info in header.items():
+        dtype = SAFETENSORS_DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
+        shape, span = info.get("shape") if dtype else None, info.get("data_offsets") if dtype else None
+        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape) and isinstance(span, list)
+                and len(span) == 2 and all(_is_int(o) for o in span)
+                and 0 <= span[0] <= span[1] and span[1] - span[0] == math.prod(shape) * dtype.itemsize):
+            raise ValueError(f"bad safetensors entry for tensor {name!r}")
+        entries.append((span[0], span[1], name, dtype, shape))
+    entries.sort(key=lambda e: e[:2])
+    end = 0
+    for begin, stop, name, _, _ in entries:
+        if begin != end:
+            raise ValueError(f"the data of tensor {name!r} overlap another's or leave a gap")
+        end = stop
+    if start + end != len(data):
+        raise ValueError("the tensors' data do not fill the file")
+    tensors = {}
+    for begin, stop, name, dtype, shape in entries:
+        count = (stop - begin) // dtype.itemsize
+        if count:
+            t = torch.frombuffer(data, dtype=dtype, count=count, offset=start + begin)
+        else:
+            t = torch.empty(0, dtype=dtype)  # frombuffer refuses a count of 0
+        tensors[name] = t.reshape(shape)
+    return meta, tensors
 
 
-# The tensors of a queue file and their dtypes on disk (RolloutBatch.to_bytes).
-_DTYPES = {"tokens": torch.int32, "offsets": torch.int64, "logprobs": torch.float32, "loss_mask": torch.uint8,
-           "advantages": torch.float32, "group_of": torch.int32}
+# The tensors of a queue file, in their order on disk (widest first), and their dtypes there (RolloutBatch.to_buffers).
+_DTYPES = {"offsets": torch.int64, "tokens": torch.int32, "logprobs": torch.float32, "advantages": torch.float32,
+           "group_of": torch.int32, "loss_mask": torch.uint8}
 
 
 def _groups(meta: Any) -> List[Group]:
@@ -219,7 +261,7 @@ def _groups(meta: Any) -> List[Group]:
             raise bad(f"min_version {mv!r} is not an integer in [0, version]")
         rewards, truncated = g["rewards"], g["truncated"]
         if not (isinstance(rewards, list) and len(rewards) == n
-                and all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) for r in rewards)):
+                and all(type(r) in (int, float) and math.isfinite(r) for r in rewards)):  # type(): bool is no number
             raise bad("rewards are not num_samples finite numbers")
         if not (isinstance(truncated, list) and len(truncated) == n and all(isinstance(t, bool) for t in truncated)):
             raise bad("truncated is not num_samples booleans")
@@ -277,6 +319,9 @@ class Queue:
         self._since_prune = {self.dropped: 1 << 30, self.quarantine: 1 << 30}
         self._lease: Optional[_Lease] = None
         self._totals: Optional[Dict[str, int]] = None
+        self._totals_changed = False
+        # Modification times of the pending files seen so far, by name (pending_files).
+        self._mtimes: Dict[str, int] = {}
         # Files that could be neither read nor moved aside (e.g. no permission): skipped, not retried every poll.
         self._unmovable: set = set()
 
@@ -285,8 +330,15 @@ class Queue:
     def publish(self, batch: RolloutBatch, producer: str, seq: int) -> Path:
         """Atomically adds one file; `producer` and `seq` make its name unique."""
         path = self.pending / f"{producer}-{seq:08d}{SUFFIX}"
-        # The data are fsynced before the rename; a rename lost in a crash loses an unclaimed file, never a claim.
-        atomic_write(path, batch.to_bytes(producer), sync_dir=False)
+        # As atomic_write, without joining the buffers into one copy first. The data are fsynced before the rename
+        # (one fsync per file); the folder is not: a rename lost in a crash loses an unclaimed file, never a claim.
+        tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+        with open(tmp, "wb") as f:
+            for buf in batch.to_buffers(producer):
+                f.write(buf)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
         return path
 
     def begin_batch(self, producer: str) -> None:
@@ -324,9 +376,13 @@ class Queue:
             return sum(1 for e in it if e.name.endswith(SUFFIX) and not e.name.startswith("."))
 
     def pending_files(self) -> List[Path]:
-        """Pending files, oldest first. The folder holds only what is not yet claimed, so this stays small. Temporary
+        """Pending files, oldest first: one listing, and a stat only for names this Queue has not seen before (their
+        age is remembered), so a trainer polling a busy folder pays per new file, not per file per look. Temporary
         files of producers that died while writing are removed once older than 10 leases."""
-        entries = []
+        return [self.pending / name for name in self._pending_names()]
+
+    def _pending_names(self) -> List[str]:
+        ages: Dict[str, int] = {}
         now = time.time()
         with os.scandir(self.pending) as it:
             for e in it:
@@ -338,11 +394,16 @@ class Queue:
                     except FileNotFoundError:
                         pass
                 elif e.name.endswith(SUFFIX) and not e.name.startswith(".") and e.name not in self._unmovable:
-                    try:
-                        entries.append((e.stat().st_mtime_ns, e.name))
-                    except FileNotFoundError:
-                        continue  # claimed meanwhile
-        return [self.pending / name for _, name in sorted(entries)]
+                    mtime = self._mtimes.get(e.name)
+                    if mtime is None:
+                        try:
+                            mtime = e.stat().st_mtime_ns
+                        except FileNotFoundError:
+                            continue  # claimed meanwhile
+                    ages[e.name] = mtime
+        self._mtimes = ages  # forgets the names that left
+        self._save_counts()
+        return sorted(ages, key=lambda n: (ages[n], n))
 
     def progress(self) -> Dict[str, int]:
         try:
@@ -377,7 +438,18 @@ class Queue:
         afresh under a new revision of its manifest (which the other ranks wait for). Waiting backs off from
         `poll_s` to `max_poll_s`. Raises TimeoutError (naming the step) if not enough groups arrive within
         `timeout_s`.
+
+        Its filesystem work is per step, not per file, beyond a rename per claimed file: one manifest and one update
+        of counts.json; no fsync (the step's `record` makes its claim durable).
         """
+        try:
+            return self._claim(step, num_groups, min_version, timeout_s, abort, poll_s, max_version, max_poll_s)
+        finally:
+            self._save_counts()  # the files dropped and quarantined meanwhile
+
+    def _claim(self, step: int, num_groups: int, min_version: int, timeout_s: float,
+               abort: Optional[Callable[[], Optional[str]]], poll_s: float, max_version: Optional[int],
+               max_poll_s: float) -> Claim:
         t0 = time.monotonic()
         sdir = self.step_dir(step)
         manifest = sdir / "manifest.json"
@@ -407,7 +479,8 @@ class Queue:
         delay = poll_s
         while have < num_groups:
             progressed = False
-            for path in self.pending_files():
+            for name in self._pending_names():  # a Path only for the files it reads
+                path = self.pending / name
                 b, bad = self._read_or_quarantine(path, max_version)
                 quarantined += bad
                 if b is None:
@@ -443,9 +516,9 @@ class Queue:
                 )
             time.sleep(delay)
             delay = min(delay * 2, max_poll_s)
-        fsync_dir(sdir)  # the moves are durable before the manifest that names them
+        # Not fsynced here: `record` makes the claim durable, before the step's ledger line (see there).
         write_json(manifest, {"step": step, "files": files, "dropped_groups": dropped, "min_version": min_version,
-                              "revision": revision})
+                              "revision": revision}, durable=False)
         return Claim(step, RolloutBatch.concat(batches), files, dropped, quarantined, time.monotonic() - t0)
 
     def wait_claim(self, step: int, timeout_s: float, abort: Optional[Callable[[], Optional[str]]] = None,
@@ -470,11 +543,21 @@ class Queue:
     def record(self, step: int, claim: Claim, skipped: Optional[str] = None) -> None:
         """Appends the uids a step trained on to the ledger (how 'exactly once' is checked). A step whose update was
         skipped (non-finite values; rlhpc/train/guard.py) is recorded once too, with the reason: its groups are
-        consumed, never trained again."""
+        consumed, never trained again.
+
+        The step's claim becomes durable here, with one fsync of its folder (the moves into it and its manifest),
+        not when it was claimed: nothing depends on a claim before its step is recorded. A claim that a power loss
+        undoes before then puts its files back in pending/ (or leaves them in the step's folder without a manifest,
+        to be claimed again); the step was not recorded, so none is trained twice. On ext4 the ledger's own fsync
+        then finds the journal committed and costs little: one commit per step."""
         entry: Dict[str, Any] = {"step": step, "groups": [g.uid for g in claim.batch.groups] if claim.batch else []}
         if skipped is not None:
             entry["skipped"] = skipped
         line = json.dumps(entry)
+        try:
+            fsync_dir(self.step_dir(step))
+        except FileNotFoundError:
+            pass  # retired already (a step recorded late), or never claimed through this queue
         with open(self.root / "ledger.jsonl", "a") as f:
             f.write(line + "\n")
             f.flush()
@@ -497,7 +580,7 @@ class Queue:
             if not d.name.isdigit() or int(d.name) >= step:
                 continue
             if keep:
-                _move(d, self.retired / d.name)
+                os.replace(d, self.retired / d.name)  # not fsynced: a move lost in a crash is made again later
             else:
                 shutil.rmtree(d, ignore_errors=True)
 
@@ -525,7 +608,7 @@ class Queue:
         try:
             info = read_json(self.step_dir(step) / "manifest.json")
         except ValueError:
-            return None  # written atomically: a garbled one is foreign, and the step is claimed anew
+            return None  # not fsynced (claim): empty after a power loss, or garbled by a foreign hand; claimed anew
         return info if isinstance(info, dict) and isinstance(info.get("files"), list) else None
 
     def _load_claimed(self, step: int, info: Dict[str, Any], max_version: Optional[int], quarantine: bool):
@@ -545,13 +628,13 @@ class Queue:
         return batches, files, bad
 
     def _load(self, path: Path) -> RolloutBatch:
-        return RolloutBatch.from_bytes(path.read_bytes())
+        return RolloutBatch.from_bytes(_read_file(path))
 
     def _read(self, path: Path, max_version: Optional[int] = None) -> Tuple[Optional[RolloutBatch], Optional[str]]:
         """(batch, None) for a valid file, (None, reason) for an invalid one, (None, None) if it vanished. Never
         raises: whatever is in the file, the run goes on."""
         try:
-            data = path.read_bytes()
+            data = _read_file(path)
         except FileNotFoundError:
             return None, None
         except OSError as e:
@@ -587,7 +670,7 @@ class Queue:
             if keep_original:
                 os.link(path, target)
             else:
-                _move(path, target)
+                os.replace(path, target)  # not fsynced: a file back in pending/ after a crash is judged again
         except FileNotFoundError:
             return False
         except OSError as e:
@@ -605,7 +688,7 @@ class Queue:
     def _drop(self, path: Path, groups: int) -> int:
         """Moves a file too stale to train on to dropped/; returns the groups dropped (0 if it vanished)."""
         try:
-            _move(path, self.dropped / path.name)
+            os.replace(path, self.dropped / path.name)  # not fsynced, like a quarantine
         except FileNotFoundError:
             return 0
         self._count(dropped_files=1, dropped_groups=groups)
@@ -613,10 +696,16 @@ class Queue:
         return groups
 
     def _count(self, **added: int) -> None:
+        """Adds to the totals in memory; _save_counts writes them (once per claim or listing, not per file)."""
         totals = self.totals()
         for k, n in added.items():
             totals[k] = totals.get(k, 0) + n
-        write_json(self.root / "counts.json", totals, durable=False)
+        self._totals_changed = True
+
+    def _save_counts(self) -> None:
+        if self._totals_changed:
+            write_json(self.root / "counts.json", self.totals(), durable=False)
+            self._totals_changed = False
 
     def _prune(self, folder: Path) -> None:
         """Keeps the newest `keep` files of dropped/ or quarantine/ (a .reason file goes with its file). It lists the
@@ -670,9 +759,13 @@ class _Lease:
         _unlink(self.path)
 
 
-def _move(src: Path, dst: Path) -> None:
-    os.replace(src, dst)
-    fsync_dir(dst.parent)
+def _read_file(path: Path) -> bytearray:
+    """A file's bytes in a bytearray, read once: RolloutBatch.from_bytes can then view them without a copy."""
+    with open(path, "rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        n = f.readinto(data)
+    del data[n:]  # shorter than its size said: truncated meanwhile (by a foreign hand; published files never change)
+    return data
 
 
 def _unlink(path: Path) -> None:
