@@ -303,9 +303,12 @@ class QueueConfig:
 
 @dataclass
 class EvalConfig:
-    # Held-out evaluation (greedy) every this many RL steps, plus after SFT and at the end; 0: only those two.
+    # Held-out evaluation (greedy) every this many RL steps, plus after SFT and at the end; 0: only those two. During
+    # RL inference worker 0 evaluates, with the run's engine, into run_dir/evals/ (rlhpc/train/evaluation.py).
     interval: int = 10
     num_tasks: int = 64
+    # How long the trainer waits after its last step for worker 0's evaluation of the final weights (seconds).
+    timeout_s: float = 600.0
 
 
 @dataclass
@@ -500,6 +503,7 @@ def validate(cfg: Config) -> None:
     need(cfg.inference.max_restarts >= 0, "inference.max_restarts", "must be >= 0")
     need(cfg.weights.member_timeout_s > 0, "weights.member_timeout_s", "must be > 0")
     need(cfg.eval.num_tasks >= 1, "eval.num_tasks", "must be >= 1")
+    need(cfg.eval.timeout_s > 0, "eval.timeout_s", "must be > 0")
     need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
     need(cfg.env.max_new_tokens >= 1, "env.max_new_tokens", "must be >= 1")
     need(cfg.env.max_turns >= 0, "env.max_turns", "must be >= 0 (0: the environment's own)")

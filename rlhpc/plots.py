@@ -1,7 +1,8 @@
 """Plots of a run (or several): `python -m rlhpc.plots RUN_DIR [RUN_DIR ...] --out curves.png`.
 
 Left: the SFT loss per warm-start step. Right: held-out reward (greedy) against RL step, with the training rollouts'
-mean reward faded behind it. Reads logs/trainer-0.metrics.jsonl and summary.json.
+mean reward faded behind it. Reads logs/trainer-0.metrics.jsonl and summary.json (a run still going: run_dir/evals/,
+the held-out results, written by rlhpc/train/evaluation.py).
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def plot_runs(run_dirs: List[Path], out: Path, labels: Optional[List[str]] = Non
                         label="validation reward (greedy)")
             ax_val.set(ylabel="reward", ylim=(0, 1))
             ax_val.legend(fontsize=8, loc="center right")
-        curve = summary.get("eval_curve") or [(r["step"], r["eval/heldout_reward"]) for r in rows if "eval/heldout_reward" in r]
+        # The held-out curve: (weights version, reward); version v is the policy after RL step v.
+        curve = (summary.get("eval_curve")
+                 or sorted((e["version"], e["reward"]) for e in map(read_json, (run.root / "evals").glob("v*.json")) if e)
+                 or [(r["step"], r["eval/heldout_reward"]) for r in rows if "eval/heldout_reward" in r])
         (line,) = ax_rl.plot([s for s, _ in curve], [v for _, v in curve], marker="o", ms=3, label=f"{label} held-out (greedy)")
         train = [(r["step"], r["rollout/reward"]) for r in rows if "rollout/reward" in r]
         if train:

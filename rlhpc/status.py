@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from rlhpc.rundir import RunDir, read_json
+from rlhpc.train.evaluation import read_curve
 
 def _metrics_tail(path: Path, max_bytes: int = 256 << 10) -> List[Dict[str, Any]]:
     """The last rows of a metrics.jsonl (only its end is read: the file grows with the run)."""
@@ -81,10 +82,13 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
         trainer.update(phase="rl", step=max([r["step"] for r in rl_rows] + [hb.get("step", 0)]), steps=hb.get("steps"))
     for key, name in (("rollout/reward", "reward"), ("eval/heldout_reward", "heldout_reward"),
                       ("async/staleness_mean", "staleness_mean")):
-        row = _last(rl_rows, key)
+        row = _last(rl_rows, key)  # eval/heldout_reward: runs from before evaluation moved to inference worker 0
         if row:
             trainer[name] = row[key]
             trainer[f"{name}_step"] = row["step"]
+    curve = read_curve(run)  # run_dir/evals/: the held-out reward of version v is that after step v
+    if curve:
+        trainer["heldout_reward_step"], trainer["heldout_reward"] = curve[-1]
     if not trainer.get("steps"):
         cfg = _config_steps(run)
         if cfg is not None:

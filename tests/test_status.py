@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from rlhpc.rundir import RunDir, write_json
+from rlhpc.train.evaluation import write_result
 
 
 def status(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -23,8 +24,9 @@ def a_run(tmp_path: Path, step: int = 3, steps: int = 10) -> RunDir:
     run.config.write_text(f"trainer:\n  steps: {steps}\n")
     rows = [{"step": -1, "time": 0, "sft/loss": 2.0}]
     rows += [{"step": s, "time": 0, "rollout/reward": 0.1 * s, "async/staleness_mean": 0.5} for s in range(1, step + 1)]
-    rows[-2]["eval/heldout_reward"] = 0.25
     (run.logs / "trainer-0.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_result(run, 0, 0.125, tasks=8)  # the warm start's
+    write_result(run, 2, 0.25, tasks=8)  # inference worker 0's
     run.heartbeat("trainer", 0, step=step, steps=steps)
     run.heartbeat("inference", 0, version=step)
     run.heartbeat("inference", 1, version=step - 1)

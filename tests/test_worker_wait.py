@@ -10,6 +10,7 @@ from rlhpc import env as env_mod
 from rlhpc.identity import Identity
 from rlhpc.infer import worker
 from rlhpc.rundir import RunDir
+from rlhpc.train.evaluation import write_result
 from rlhpc.transport.queue import Queue
 from test_queue import make_batch
 
@@ -27,6 +28,7 @@ def test_a_waiting_worker_backs_off_and_stops_after_its_own_idle_timeout(tmp_pat
         "queue": {"poll_max_s": 0.25, "max_pending_steps": 1},
     })
     run = RunDir(tmp_path).make()
+    write_result(run, 0, 0.0, tasks=64)  # the warm start's: worker 0 owes no held-out evaluation of version 0
     q = Queue(run.queue)
     for s in range(2):  # one step's worth of groups pending and nobody claiming: back-pressure holds the worker
         q.publish(make_batch(num_groups=8), "w9", s)

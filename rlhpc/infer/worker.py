@@ -2,7 +2,8 @@
 
 Loop: take the newest weights received; if the queue already holds enough fresh groups, or these weights are too old
 for the step that would consume what we generate now, wait (never spin); otherwise generate a batch of groups, score
-them, compute advantages and publish one queue file.
+them, compute advantages and publish one queue file. Worker 0 also measures the held-out reward of the weights it
+serves when an evaluation is owed (rlhpc/train/evaluation.py), between two generations.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from rlhpc.transport.queue import Queue
 from rlhpc.identity import Identity
 from rlhpc.stop import Stop, stop_requested
 from rlhpc.env.pool import EnvPool
-from rlhpc.infer.rollout import generate_groups
+from rlhpc.infer.rollout import evaluate, generate_groups
 from rlhpc.rundir import Backoff, RunDir, wait_for
+from rlhpc.train.evaluation import eval_owed, heldout_tasks, read_curve, write_result
 from rlhpc.transport.weights import BroadcastReceiver, FilesystemReceiver, WeightsReceiver
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,8 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
     if getattr(engine, "supports_inflight_updates", False) and cfg.inference.inflight_updates:
         engine.weight_updates = receiver.poll  # vLLM swaps weights between decode steps of a long generation
     metrics = Metrics(run, "inference", rank)
+    # The first worker of the launch evaluates; restarted ones take over what is not evaluated yet, attached ones never.
+    heldout = HeldoutEval(cfg, run, env, pool, tokenizer) if rank == 0 and not ident.attached else None
     producer = f"w{rank}a{ident.attempt}" + (f"r{ident.restart}" if ident.restart else "")  # unique file names
     version, seq = 0, 0
     per_step = cfg.trainer.groups_per_step
@@ -86,6 +90,8 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
         if update is not None:
             engine.update_weights(update.tensors)
             version = engine.version = update.version  # labels the tokens generated from now on
+        if heldout is not None:
+            heldout(engine, version, metrics)
         if receiver.closed():
             break
         progress = queue.progress()
@@ -139,6 +145,41 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
     log.info("worker %d done after %d batches (weights version %d)", rank, seq, version)
     metrics.close()
     receiver.close()
+
+
+class HeldoutEval:
+    """Worker 0's held-out evaluation: greedy reward on the held-out tasks with this worker's engine, for each weights
+    version owed one (the schedule and the record: rlhpc/train/evaluation.py), written to run_dir/evals/."""
+
+    def __init__(self, cfg: Config, run: RunDir, env, pool: EnvPool, tokenizer):
+        self.cfg, self.run, self.env, self.pool, self.tokenizer = cfg, run, env, pool, tokenizer
+        self.tasks = heldout_tasks(env, cfg)
+        self.checked: Optional[int] = None  # the version last looked at: the record is read once per version
+
+    def __call__(self, engine, version: int, metrics: Metrics) -> None:
+        if version == self.checked:
+            return
+        self.checked = version
+        # What is recorded already (by the warm start, or by this worker's previous life).
+        done = [v for v, _ in read_curve(self.run) if v <= version]
+        if not eval_owed(self.cfg, version, done[-1] if done else None):
+            return
+        # The whole evaluation on one version: no weights land in the middle of it (vLLM in-flight updates).
+        inflight = getattr(engine, "weight_updates", None)
+        if inflight is not None:
+            engine.weight_updates = None
+        t0 = time.time()
+        try:
+            reward = evaluate(engine, self.env, self.tokenizer, self.tasks, self.cfg.env, pool=self.pool)
+        finally:
+            if inflight is not None:
+                engine.weight_updates = inflight
+        eval_s = time.time() - t0
+        write_result(self.run, version, reward, len(self.tasks))
+        # TensorBoard only, against the weights version; the metrics rows stay one per generated batch.
+        metrics.writer.add_scalar("eval/heldout_reward", reward, version)
+        metrics.writer.add_scalar("eval/time_s", eval_s, version)
+        log.info("weights version %d: held-out reward %.3f (%d tasks, %.1fs)", version, reward, len(self.tasks), eval_s)
 
 
 def make_receiver(cfg: Config, ident: Identity, run: RunDir) -> WeightsReceiver:

@@ -12,7 +12,6 @@ import torch
 from rlhpc.config import Config
 from rlhpc.dtypes import dtype_of
 from rlhpc.identity import Identity
-from rlhpc.infer.engines.hf import HFEngine
 from rlhpc.names import CheckpointNames, checkpoint_layout, state_tensors
 from rlhpc.rundir import RunDir
 from rlhpc.train.export import write_hf_folder
@@ -70,16 +69,14 @@ class Publisher:
         return BroadcastSender(self.run, self.cfg.inference.num_workers, w.bucket_mb, w.timeout_s, self.ident.attempt,
                                host=self.ident.master_addr, member_timeout_s=w.member_timeout_s)
 
-    def publish(self, model: torch.nn.Module, version: int, evaluator: Optional[HFEngine] = None) -> None:
-        """Collective with FSDP. `evaluator`, a separate full copy on rank 0 (FSDP), is filled from the same stream."""
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        """Collective with FSDP: every rank takes part in the stream; rank 0 sends it (and snapshots it when due)."""
         serving = serving_dtype(self.cfg)
         stream = full_state(model, serving)
         if not self.is_main:
             for _ in stream:  # take part in the all-gathers
                 pass
             return
-        if self.world > 1 and evaluator is not None:
-            stream = _tee_into(stream, evaluator)
         snap = self.cfg.weights.snapshot_interval
         if snap and version % snap == 0 and self.cfg.weights.transport == "broadcast":
             stream = list(stream)
@@ -88,9 +85,3 @@ class Publisher:
 
     def close(self) -> None:
         self.sender.close()
-
-
-def _tee_into(stream, engine: HFEngine):
-    for name, t in stream:
-        engine.update_weights([(name, t)])
-        yield name, t

@@ -2,10 +2,11 @@
 
 For step k: rank 0 claims enough fresh groups from the queue (version >= k - async_level), every rank trains on its
 token-balanced share, the optimizer steps, and the new weights (version k+1) stream to the inference workers. Rank 0
-also runs the supervised warm start, held-out evaluation, and writes summary.json.
+also runs the supervised warm start and writes summary.json. Held-out evaluation during RL runs on inference worker 0
+(rlhpc/train/evaluation.py): no step waits for it; at the end rank 0 waits for the final version's result.
 
 Each concern has its module: the warm start (warmstart), claims and the ledger (claims), the step (step), weights out
-and the export (publish), held-out evaluation (evaluation), checkpoints (checkpoint). The trainer holds their state and
+and the export (publish), the held-out curve (evaluation), checkpoints (checkpoint). The trainer holds their state and
 runs the loop.
 """
 
@@ -23,13 +24,12 @@ from rlhpc import env as env_mod
 from rlhpc import models
 from rlhpc.config import Config
 from rlhpc.identity import Identity
-from rlhpc.infer.engines.hf import HFEngine
 from rlhpc.metrics import Metrics
-from rlhpc.rundir import RunDir, write_json
+from rlhpc.rundir import RunDir, wait_for, write_json
 from rlhpc.stop import Stop, stop_requested
 from rlhpc.train import checkpoint, publish
 from rlhpc.train.claims import Claims
-from rlhpc.train.evaluation import Curve, Evaluator, eval_due, heldout_tasks
+from rlhpc.train.evaluation import Curve, discard_after, read_curve, result_path
 from rlhpc.train.guard import BadSteps
 from rlhpc.train.loading import build_sharded
 from rlhpc.train.optim import make_optimizer
@@ -53,6 +53,8 @@ class Trainer:
         torch.set_num_threads(cfg.trainer.threads)
         torch.manual_seed(cfg.seed + self.rank)
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        if self.device.type == "cuda":  # before NCCL: its communicators and every implicit "cuda" use this rank's GPU
+            torch.cuda.set_device(self.device)
         if self.world > 1 or cfg.trainer.fsdp:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{ident.master_addr}:{ident.master_port}",
@@ -66,13 +68,12 @@ class Trainer:
         self.summary: Dict = {}
         self.publisher = Publisher(cfg, ident, run)
         # Set up in train(): the model (FSDP2-sharded when world > 1), its optimizer and LR schedule, the frozen
-        # reference policy (algo.ref_kl_coef > 0), the tokenizer, and rank 0's evaluator.
+        # reference policy (algo.ref_kl_coef > 0) and the tokenizer.
         self.model: torch.nn.Module
         self.optimizer: torch.optim.Optimizer
         self.scheduler: torch.optim.lr_scheduler.LambdaLR
         self.reference: Optional[torch.nn.Module] = None
         self.tokenizer: Any
-        self.evaluator: Optional[Evaluator] = None
 
     # ---- the main loop -------------------------------------------------------------------------------------------
 
@@ -86,93 +87,83 @@ class Trainer:
             if self.is_main:
                 write_json(self.run.status / "REQUEUE", {"step": 0, "signal": stop_requested(), "time": time.time()})
             return "requeue"
-        start, curve = self.start()
+        start = self.start()
         t_rl = time.time()
         for step in range(start, self.cfg.trainer.steps):
             if stop_requested():
-                return self.stop(step, curve)
+                return self.stop(step)
             try:
                 claim = self.claims.claim(step)
             except Stop:
-                return self.stop(step, curve)
+                return self.stop(step)
             stats = self.train_step(step, claim.batch)
             t_pub = time.time()
-            self.publish(step + 1, to_evaluator=eval_due(self.cfg, step + 1))
+            self.publish(step + 1)
             stats["weights/publish_s"] = time.time() - t_pub
             if self.is_main:
-                self.report(step, claim, stats, curve)
-            self.end_step(step + 1, curve)
-        return self.finish(t_start, t_rl, curve)
+                self.report(step, claim, stats)
+            self.end_step(step + 1)
+        return self.finish(t_start, t_rl)
 
-    def start(self) -> Tuple[int, Curve]:
-        """The model, fresh or resumed from the latest checkpoint; rank 0's evaluator, ledger and sender. Returns the
-        first step to train and the eval curve so far; a resumed run brings the workers to its weights version."""
-        cfg = self.cfg
+    def start(self) -> int:
+        """The model, fresh or resumed from the latest checkpoint; rank 0's ledger and sender. Returns the first step
+        to train; a resumed run brings the workers to its weights version."""
         self.tokenizer = models.load_tokenizer(self.run.model)
         resume_from = checkpoint.latest(self.run.checkpoints)
         # Resuming, the DCP checkpoint fills the (sharded) parameters: the Hugging Face weights are not read.
         self.setup_model(load_weights=resume_from is None)
         self.claims.queue.vocab_size = self.model.config.vocab_size  # a file with larger token ids is quarantined
-        tasks = heldout_tasks(self.env, cfg)
-        start, curve = 0, None
+        start = 0
         if resume_from is not None:
-            state = checkpoint.load(resume_from, self.model, self.optimizer, self.scheduler)
-            start, curve = state["step"], [tuple(x) for x in state["eval_curve"]]
+            start = checkpoint.load(resume_from, self.model, self.optimizer, self.scheduler)["step"]
             self.summary["resumed_at"] = self.summary.get("resumed_at", []) + [start]
         if self.is_main:
-            # With FSDP the evaluator is a full copy of the model on rank 0 (evaluation moves off the trainer later;
-            # docs/trainer.md lists the full copies that remain).
-            engine = HFEngine(self.model if self.world == 1 else models.load_model(self.run.model),
-                              self.tokenizer.pad_token_id)
-            self.evaluator = Evaluator(engine, self.env, self.tokenizer, tasks, cfg)
-            if "heldout_reward_sft" not in self.summary:  # sft.steps=0: the warm start loaded no model to evaluate
-                r = curve[0][1] if curve else self.evaluator.reward()
-                self.summary.update(heldout_reward_base=r, heldout_reward_sft=r)
+            if start > 0:
+                discard_after(self.run, start)
             self.claims.start(start)
             self.publisher.start()
-        curve = curve or [(0, self.summary.get("heldout_reward_sft"))]
         if start > 0:  # workers start from run_dir/model (version 0): bring them to the resumed version
-            self.publish(start, to_evaluator=self.world > 1)
-        return start, curve
+            self.publish(start)
+        return start
 
-    def report(self, step: int, claim: Claim, stats: Dict[str, float], curve: Curve) -> None:
-        """Rank 0, once version step + 1 is out: the ledger, the held-out reward when due, metrics and heartbeat."""
+    def report(self, step: int, claim: Claim, stats: Dict[str, float]) -> None:
+        """Rank 0, once version step + 1 is out: the ledger, metrics and heartbeat (with the newest held-out reward
+        recorded by inference worker 0)."""
         self.claims.trained(step, claim, skipped=self.bad_steps.last)
-        if eval_due(self.cfg, step + 1):
-            r = self.evaluator.reward()
-            curve.append((step + 1, r))
-            stats["eval/heldout_reward"] = r
-            log.info("step %d held-out reward %.3f", step + 1, r)
         stats.update(self.claims.stats(step, claim))
         stats["lr"] = self.scheduler.get_last_lr()[0]
         self.metrics.log(step + 1, stats)
+        curve = read_curve(self.run)
+        heldout = {"heldout": curve[-1][1], "heldout_version": curve[-1][0]} if curve else {}
         self.run.heartbeat("trainer", self.rank, step=step + 1, steps=self.cfg.trainer.steps,
-                           reward=stats["rollout/reward"], heldout=curve[-1][1], loss=stats["loss/total"])
+                           reward=stats["rollout/reward"], loss=stats["loss/total"], **heldout)
 
-    def end_step(self, next_step: int, curve: Curve) -> None:
+    def end_step(self, next_step: int) -> None:
         """A checkpoint every `trainer.checkpoint_interval` steps (the last step exports instead); without
         checkpoints, the step's queue files are retired at once."""
         iv = self.cfg.trainer.checkpoint_interval
         if iv and next_step % iv == 0 and next_step < self.cfg.trainer.steps:
-            self.save_checkpoint(next_step, curve)
+            self.save_checkpoint(next_step)
         elif not iv and self.is_main:  # no checkpoint to resume from: trained steps are never read again
             self.claims.retire_before(next_step)
 
-    def finish(self, t_start: float, t_rl: float, curve: Curve) -> str:
-        """After the last step: the final held-out reward, the export, summary.json and DONE."""
+    def finish(self, t_start: float, t_rl: float) -> str:
+        """After the last step: the export, then (rank 0) the final version's held-out reward from inference worker 0,
+        summary.json and DONE. The weights group stays open and DONE unwritten until that result exists, so the
+        workers are still there to evaluate the final version."""
         cfg, steps = self.cfg, self.cfg.trainer.steps
+        rl_time = time.time() - t_rl
+        if cfg.trainer.export_final:
+            self.export(self.run.checkpoints / "final")
         if self.is_main:
-            rl_time = time.time() - t_rl
-            if curve[-1][0] != steps:
-                curve.append((steps, self.evaluator.reward()))
+            curve = self.final_curve(steps)
+            if "heldout_reward_sft" not in self.summary:  # sft.steps=0: the warm start evaluated nothing
+                self.summary.update(heldout_reward_base=curve[0][1], heldout_reward_sft=curve[0][1])
             self.summary.update(
                 heldout_reward_rl=curve[-1][1], rl_steps=steps, rl_wall_time_s=rl_time,
                 trainer_wall_time_s=time.time() - t_start, eval_curve=curve, exp_name=cfg.exp_name,
                 async_level=cfg.async_level, algo=cfg.algo.name,
             )
-        if cfg.trainer.export_final:
-            self.export(self.run.checkpoints / "final")
-        if self.is_main:
             write_json(self.run.summary, self.summary)
             write_json(self.run.done, {"time": time.time(), "steps": steps})
             self.publisher.close()
@@ -182,16 +173,27 @@ class Trainer:
             dist.destroy_process_group()
         return "done"
 
-    def save_checkpoint(self, next_step: int, curve: Curve) -> None:
-        checkpoint.save(self.run.checkpoints, next_step, self.model, self.optimizer, self.scheduler,
-                        {"eval_curve": curve})
+    def final_curve(self, steps: int) -> Curve:
+        """Rank 0: the held-out curve once inference worker 0 has recorded the final version (run_dir/evals/)."""
+        timeout = self.cfg.eval.timeout_s
+        t0 = time.time()
+        wait_for(result_path(self.run, steps).exists, timeout,
+                 f"{result_path(self.run, steps)}, the held-out evaluation of the final weights by inference worker 0 "
+                 f"(see logs/inference-0.log; raise eval.timeout_s={timeout:.0f} if it is only slow)",
+                 poll_s=0.5, abort=self.run.failure)
+        log.info("final held-out result after %.1fs", time.time() - t0)
+        return read_curve(self.run)
+
+    def save_checkpoint(self, next_step: int) -> None:
+        # The held-out curve is not trainer state: it lives in run_dir/evals/.
+        checkpoint.save(self.run.checkpoints, next_step, self.model, self.optimizer, self.scheduler, {})
         if self.is_main:
             self.claims.retire_before(next_step)
 
-    def stop(self, next_step: int, curve: Curve) -> str:
+    def stop(self, next_step: int) -> str:
         """Asked to stop (preemption, time limit, Ctrl-C): checkpoint at the step boundary, tell the launcher to requeue."""
         log.warning("stop requested (%s): checkpointing at step %d", stop_requested(), next_step)
-        self.save_checkpoint(next_step, curve)
+        self.save_checkpoint(next_step)
         if self.is_main:
             write_json(self.run.status / "REQUEUE", {"step": next_step, "signal": stop_requested(), "time": time.time()})
             self.metrics.close()
@@ -243,10 +245,9 @@ class Trainer:
         return self.stepper(step, batch, self.model, self.optimizer, self.scheduler, self.reference,
                             self.tokenizer.pad_token_id)
 
-    def publish(self, version: int, to_evaluator: bool) -> None:
-        """The weights as `version` to the workers; with `to_evaluator`, into rank 0's evaluator copy too (FSDP), for
-        the evaluation that follows."""
-        self.publisher.publish(self.model, version, self.evaluator.engine if self.is_main and to_evaluator else None)
+    def publish(self, version: int) -> None:
+        """The weights as `version` to the workers. Collective with FSDP."""
+        self.publisher.publish(self.model, version)
 
     def full_state(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """The weights stream in the serving dtype (rlhpc/train/publish.py); every rank iterates it with FSDP."""

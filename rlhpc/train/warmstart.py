@@ -1,11 +1,14 @@
 """Supervised fine-tuning on reference answers: the warm start before RL (standalone: `python -m rlhpc.sft`).
 
 Before RL, trainer rank 0 makes run_dir/model, the Hugging Face folder RL starts from, and marks it READY with the
-warm start's results; the other ranks wait for it. A relaunched run finds READY and warm-starts no more.
+warm start's results; the other ranks wait for it. A relaunched run finds READY and warm-starts no more. The warm start
+evaluates on its own model (the held-out reward before and after SFT; the latter is the curve's version 0 in
+run_dir/evals/) and lets that model go before RL builds its own.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from itertools import islice
@@ -23,7 +26,7 @@ from rlhpc.infer.rollout import evaluate
 from rlhpc.metrics import Metrics
 from rlhpc.rundir import RunDir, read_json, wait_for, write_json
 from rlhpc.stop import Stop, stop_requested
-from rlhpc.train.evaluation import heldout_tasks
+from rlhpc.train.evaluation import heldout_tasks, write_result
 from rlhpc.train.optim import make_optimizer
 
 log = logging.getLogger(__name__)
@@ -52,7 +55,7 @@ def warm_start(cfg: Config, run: RunDir, env: Environment, metrics: Metrics, ran
     base = cfg.model.path or str(models.build(cfg.model, run.root / "base_model"))
     if cfg.sft.steps == 0:
         # Nothing to train: RL starts from the base checkpoint's files as they are, and no full model is loaded
-        # here; the trainer measures the starting held-out reward with the evaluator it has anyway.
+        # here; inference worker 0 measures the starting held-out reward (version 0) with its engine.
         models.copy_checkpoint(base, run.model)
         return {"sft_steps": 0, "sft_wall_time_s": 0.0}
     model, tok = models.load_model(base, cfg.model.dtype), models.load_tokenizer(base)
@@ -79,6 +82,12 @@ def warm_start(cfg: Config, run: RunDir, env: Environment, metrics: Metrics, ran
              out["heldout_reward_sft"], out["sft_steps"], out["sft_wall_time_s"])
     model.save_pretrained(run.model)
     tok.save_pretrained(run.model)
+    write_result(run, 0, out["heldout_reward_sft"], len(tasks))
+    # RL builds its own (possibly sharded) model: this whole copy and its evaluation engine go now, not at exit.
+    del engine, model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return out
 
 
