@@ -11,9 +11,9 @@ minus the baseline. The target: at N ranks a rank's peak <= (1/N) x the 1-rank m
 so the ratio of model-state peaks (N ranks / 1 rank) should be about 1/N.
 
 The 1-rank run uses FSDP too (trainer.fsdp=true), the same sharded path. Every rank trains on one group of 2 samples,
-so the activations are the same at every N. Evaluation is off: with N > 1 the trainer also keeps a full copy of the
-model on rank 0 for evaluation (`Trainer.evaluator.engine`; it moves off the trainer later), which `--eval-copy` adds to rank 0
-here. `--full-load` measures the path before sharded loading instead (every rank loads the whole model, then shards).
+so the activations are the same at every N. Held-out evaluation runs on inference worker 0, not on the trainer; the
+full copy rank 0 kept for it when N > 1, before that change, is what `--eval-copy` adds to rank 0 here, for comparison.
+`--full-load` measures the path before sharded loading instead (every rank loads the whole model, then shards).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=3072)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--full-load", action="store_true", help="measure the path before sharded loading")
-    ap.add_argument("--eval-copy", action="store_true", help="add rank 0's evaluation copy (N > 1), as train() does")
+    ap.add_argument("--eval-copy", action="store_true", help="add the full copy rank 0 kept for evaluation (N > 1) before evaluation moved to the workers")
     ap.add_argument("--timeout", type=float, default=900.0)
     args = ap.parse_args()
 
