@@ -80,3 +80,42 @@ def test_a_snapshot_written_after_a_resume_replaces_the_later_ones_left_from_bef
     write_snapshot(run, 10, [("w", torch.full((2,), -10.0))])  # the resumed trainer republishes version 10
     assert latest_snapshot(run) == 10  # a restarted worker starts from the resumed weights, not the lost ones
     assert load_snapshot(run, 10)[0][1].tolist() == [-10.0, -10.0]
+
+
+def test_a_worker_that_joins_after_the_last_update_takes_the_final_snapshot(tmp_path):
+    """Broadcast transport: no update follows the final version, so the trainer writes it to disk too (streamed, before
+    sending it), and a worker behind the trainer's published version takes the newest snapshot up to that version,
+    never one the trainer has not published."""
+    import torch
+
+    from rlhpc import models
+    from rlhpc.config import ModelConfig
+    from rlhpc.identity import Identity
+    from rlhpc.infer.engines.hf import HFEngine
+    from rlhpc.infer.worker import _catch_up
+    from rlhpc.names import checkpoint_layout
+    from rlhpc.rundir import RunDir
+    from rlhpc.train.publish import Publisher, full_state
+    from rlhpc.transport.weights import latest_snapshot, load_snapshot
+
+    model_dir = models.build(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1), tmp_path / "m")
+    run = RunDir(tmp_path / "run").make()
+    trained = models.load_model(model_dir)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    cfg = config_mod.to_typed({"run_dir": str(run.root), "trainer": {"steps": 7}, "weights": {"transport": "broadcast"}})
+    publisher = Publisher(cfg, Identity("trainer", 0, 1, run.root, "t"), run)
+    publisher.final_snapshot(trained, 7, torch.float32)
+    assert latest_snapshot(run) == 7
+    want = dict(full_state(trained, torch.float32))
+    got = dict(load_snapshot(run, 7))
+    assert got.keys() == want.keys() == {n for n, _, _ in checkpoint_layout(trained, torch.float32)}
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+    engine = HFEngine.from_pretrained(str(model_dir))
+    assert _catch_up(run, engine, 0, published=6) == 0  # the trainer has not published version 7: not taken
+    assert _catch_up(run, engine, 0, published=7) == 7 and engine.version == 7
+    for name, p in engine.model.named_parameters():
+        assert torch.equal(p, dict(trained.named_parameters())[name])
+    assert _catch_up(run, engine, 7, published=7) == 7  # nothing newer: nothing loaded

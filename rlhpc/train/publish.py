@@ -14,7 +14,7 @@ from rlhpc.dtypes import dtype_of
 from rlhpc.identity import Identity
 from rlhpc.names import CheckpointNames, checkpoint_layout, state_tensors
 from rlhpc.rundir import RunDir
-from rlhpc.train.export import write_hf_folder
+from rlhpc.train.export import write_hf_folder, write_safetensors_stream
 from rlhpc.transport.weights import BroadcastSender, FilesystemSender, WeightsSender, write_snapshot
 
 
@@ -72,6 +72,8 @@ class Publisher:
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """Collective with FSDP: every rank takes part in the stream; rank 0 sends it (and snapshots it when due)."""
         serving = serving_dtype(self.cfg)
+        if self.cfg.weights.transport == "broadcast" and version == self.cfg.trainer.steps:
+            self.final_snapshot(model, version, serving)
         stream = full_state(model, serving)
         if not self.is_main:
             for _ in stream:  # take part in the all-gathers
@@ -82,6 +84,19 @@ class Publisher:
             stream = list(stream)
             write_snapshot(self.run, version, stream)
         self.sender.publish(version, stream, layout=checkpoint_layout(model, serving))
+
+    def final_snapshot(self, model: torch.nn.Module, version: int, serving: torch.dtype) -> None:
+        """The last version on disk too, written before it is broadcast: no update follows it, so a worker that joins
+        later (a restarted worker 0 owing the final evaluation) takes it from there (rlhpc/infer/worker.py). Streamed
+        one tensor at a time, like the export; collective with FSDP."""
+        stream = full_state(model, serving)
+        if not self.is_main:
+            for _ in stream:
+                pass
+            return
+        layout = checkpoint_layout(model, serving)
+        write_snapshot(self.run, version, None,
+                       write=lambda folder: write_safetensors_stream(folder, layout, stream, max_file_bytes=1 << 62))
 
     def close(self) -> None:
         self.sender.close()

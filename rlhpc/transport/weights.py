@@ -82,10 +82,12 @@ def snapshot_dir(run: RunDir, version: int) -> Path:
     return run.weights / f"v{version:08d}"
 
 
-def write_snapshot(run: RunDir, version: int, tensors: NamedTensors, keep: int = 2) -> Path:
+def write_snapshot(run: RunDir, version: int, tensors: Optional[NamedTensors], keep: int = 2,
+                   write=None) -> Path:
     """Writes `weights/v<version>/model.safetensors` then a READY marker; keeps the newest `keep` snapshots. Snapshots
     of later versions are removed first: they are left from before a resume from an older checkpoint, and the newest
-    snapshot must be the current weights (restarted and late workers start from it)."""
+    snapshot must be the current weights (restarted and late workers start from it). `write(folder)`, if given,
+    writes folder/model.safetensors instead of `tensors` (the trainer streams it, one tensor at a time)."""
     for stale in run.weights.glob("v*"):
         if stale.name[1:].isdigit() and int(stale.name[1:]) > version:
             shutil.rmtree(stale, ignore_errors=True)
@@ -93,7 +95,10 @@ def write_snapshot(run: RunDir, version: int, tensors: NamedTensors, keep: int =
     tmp = run.weights / f".tmp-v{version:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({n: t.detach().contiguous().cpu() for n, t in tensors}, str(tmp / "model.safetensors"))
+    if write is not None:
+        write(tmp)
+    else:
+        save_file({n: t.detach().contiguous().cpu() for n, t in tensors}, str(tmp / "model.safetensors"))
     with open(tmp / "model.safetensors", "rb") as f:
         os.fsync(f.fileno())
     shutil.rmtree(d, ignore_errors=True)
