@@ -104,13 +104,17 @@ def test_the_group_goes_on_without_a_dead_member_and_admits_restarted_and_attach
     assert sender.members == [1, 2, 7]
     published(sender, 5)
     sender.close()
-    reports = [out.get(timeout=60) for _ in range(3 + 3 + 3)]  # v4, v5 and "closed" from each of the three
+    # Each reports what it received, then "closed". `poll` hands over the newest update, so a member that was slow to
+    # look may report version 5 without 4; every member must end at 5.
+    reports, deadline = [], time.time() + 120
+    while {r[1] for r in reports if r[0] in ("closed", "error")} != {1, 2, 7}:
+        assert time.time() < deadline, reports
+        reports += drain(out, 0.5)
     errors = [r for r in reports if r[0] == "error"]
     assert not errors, errors
     for member in (1, 2, 7):
         versions = [r[2] for r in reports if r[0] == "got" and r[1] == member]
-        assert versions == [4, 5], (member, reports)
-        assert ("closed", member) in reports
+        assert versions in ([4, 5], [5]), (member, reports)
     for r in reports:
         if r[0] == "got":
             assert abs(r[3] - checksum(r[2])) < 1e-6 * abs(checksum(r[2]))
