@@ -540,7 +540,6 @@ class BroadcastReceiver(WeightsReceiver):
         tensors: List[Tuple[str, torch.Tensor]] = []
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        posted: list = []
         try:
             # Every bucket's receive is posted at once, so the next one lands while this one is waited for.
             posted = [self.group.broadcast([flat], opts) for flat in flats]
@@ -552,14 +551,6 @@ class BroadcastReceiver(WeightsReceiver):
         except Exception as e:  # noqa: BLE001 - the epoch broke (a member died): answer the next call
             log.warning("weights group epoch %d failed receiving version %d (%s); waiting for the next epoch",
                         self.group_epoch, version, str(e).splitlines()[0][:200])
-            # Every posted receive ends first (each fails at once on a broken group, or at the member timeout): the
-            # group's destructor would otherwise wait for them while holding up this thread, and they write into
-            # `flats`, which the next update reuses.
-            for work in posted:
-                try:
-                    work.wait()
-                except Exception:  # noqa: BLE001 - failing is what is expected of them now
-                    pass
             self._drop_group()
             self._release(flats)
             return
