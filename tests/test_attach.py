@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from rlhpc.cluster.attach import allocate_ranks
 from rlhpc.cluster.slurm_identity import identity_from_slurm, role_and_rank
 from rlhpc.rundir import RunDir
 from test_launch import SMALL, rlhpc_processes
-from test_slurm_launch import _slurm
+from test_slurm_launch import cluster  # noqa: F401  (cluster: the fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 ATTACH = [sys.executable, "-m", "rlhpc.launch", "+attach=inference"]
@@ -230,18 +229,9 @@ def test_a_failing_attached_worker_fails_its_attach_command_not_the_run(tmp_path
 # ---- on the local Slurm cluster (slurm) ----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def slurm_cluster():
-    if shutil.which("sbatch") is None or "is UP" not in _slurm("scontrol", "ping", timeout=15):
-        why = "no Slurm cluster answers; start one with `sudo bash rlhpc/cluster/local_slurm.sh up`"
-        if os.environ.get("RLHPC_REQUIRE_SLURM") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
-
-
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_a_slurm_attach_job_feeds_the_running_run_and_ends_with_it(tmp_path, slurm_cluster):
+def test_a_slurm_attach_job_feeds_the_running_run_and_ends_with_it(tmp_path, cluster):
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     main = start_run(run_dir, "broadcast", steps=150)  # long enough for a Slurm job to start its worker (~20 s)

@@ -16,6 +16,11 @@ SMALL = ["+exp=reverse_text", "sft.steps=5", "eval.num_tasks=8", "launcher.progr
          "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1"]
 
 
+def launch(run_dir, *overrides: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", *overrides],
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def schedule(interval: int, steps: int) -> Config:
     cfg = Config()
     cfg.eval.interval, cfg.trainer.steps = interval, steps
@@ -69,8 +74,7 @@ def test_the_warm_start_records_version_0_and_lets_its_model_go(tmp_path):
 @pytest.mark.slow
 def test_an_fsdp_run_is_evaluated_by_worker_0_and_its_curve_is_the_workers_results(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", "trainer.num_ranks=2",
-                           "trainer.steps=6", "eval.interval=2"], capture_output=True, text=True, timeout=400)
+    proc = launch(run_dir, "trainer.num_ranks=2", "trainer.steps=6", "eval.interval=2", timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = RunDir(run_dir)
     results = [json.loads(p.read_text()) for p in sorted((run_dir / "evals").glob("v*.json"))]
@@ -96,8 +100,7 @@ def test_an_fsdp_run_is_evaluated_by_worker_0_and_its_curve_is_the_workers_resul
 @pytest.mark.slow
 def test_without_a_warm_start_worker_0_measures_the_starting_weights(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", "sft.steps=0",
-                           "trainer.steps=3", "eval.interval=0"], capture_output=True, text=True, timeout=400)
+    proc = launch(run_dir, "sft.steps=0", "trainer.steps=3", "eval.interval=0", timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     curve = read_curve(RunDir(run_dir))
     assert [v for v, _ in curve] == [0, 3]
