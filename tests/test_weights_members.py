@@ -29,8 +29,41 @@ def _follower(run_root, member, attempt, out):
         out.put(("error", member, f"{type(e).__name__}: {e}", traceback.format_exc()))
 
 
+class Reports:
+    """The followers' reports. Each process writes to a queue of its own: a process killed or stopped while its queue's
+    feeder thread holds the queue's write lock would otherwise silence every other process writing to that queue."""
+
+    def __init__(self):
+        self.queues, self.backlog = [], []
+
+    def new_queue(self):
+        self.queues.append(CTX.Queue())
+        return self.queues[-1]
+
+    def drain(self, timeout_s=0.5):
+        """The reports that arrive within `timeout_s` (returns early once some arrived)."""
+        deadline = time.time() + timeout_s
+        while True:
+            for q in self.queues:
+                while True:
+                    try:
+                        self.backlog.append(q.get_nowait())
+                    except Exception:  # noqa: BLE001 - queue.Empty
+                        break
+            if self.backlog or time.time() >= deadline:
+                got, self.backlog = self.backlog, []
+                return got
+            time.sleep(0.02)
+
+    def get(self, timeout):
+        got = self.drain(timeout)
+        assert got, f"no report within {timeout}s"
+        self.backlog = got[1:]
+        return got[0]
+
+
 def start(run_root, member, out, attempt="t"):
-    p = CTX.Process(target=_follower, args=(run_root, member, attempt, out), daemon=True)
+    p = CTX.Process(target=_follower, args=(run_root, member, attempt, out.new_queue()), daemon=True)
     p.start()
     return p
 
@@ -45,22 +78,11 @@ def checksum(version):
     return sum(t.double().sum().item() for _, t in weights(version))
 
 
-def drain(out, timeout_s=0.5):
-    got = []
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            got.append(out.get(timeout=max(0.01, deadline - time.time())))
-        except Exception:  # noqa: BLE001 - queue.Empty
-            break
-    return got
-
-
 def reported(out, expected, timeout_s=60):
     """Waits for the report `expected` (a prefix of it); returns every report seen meanwhile."""
     seen, deadline = [], time.time() + timeout_s
     while time.time() < deadline:
-        seen += drain(out, 0.5)
+        seen += out.drain(0.5)
         if any(tuple(r[:len(expected)]) == expected for r in seen):
             return seen
     raise AssertionError(f"no report {expected} within {timeout_s}s: {seen}")
@@ -74,7 +96,7 @@ def published(sender, version):
 
 def test_the_group_goes_on_without_a_dead_member_and_admits_restarted_and_attached_ones(tmp_path):
     run = RunDir(tmp_path).make()
-    out = CTX.Queue()
+    out = Reports()
     procs = {m: start(str(tmp_path), m, out) for m in (1, 2)}
     sender = BroadcastSender(run, num_receivers=2, bucket_mb=1, timeout_s=60, attempt="t", member_timeout_s=20)
     published(sender, 1)
@@ -109,7 +131,7 @@ def test_the_group_goes_on_without_a_dead_member_and_admits_restarted_and_attach
     reports, deadline = [], time.time() + 120
     while {r[1] for r in reports if r[0] in ("closed", "error")} != {1, 2, 7}:
         assert time.time() < deadline, reports
-        reports += drain(out, 0.5)
+        reports += out.drain(0.5)
     errors = [r for r in reports if r[0] == "error"]
     assert not errors, errors
     for member in (1, 2, 7):
@@ -127,7 +149,7 @@ def test_a_member_that_stalls_costs_the_member_timeout_once(tmp_path):
     """A member stopped (SIGSTOP: alive, silent) holds a broadcast at most weights.member_timeout_s; the group goes on
     without it."""
     run = RunDir(tmp_path).make()
-    out = CTX.Queue()
+    out = Reports()
     procs = {m: start(str(tmp_path), m, out) for m in (1, 2)}
     sender = BroadcastSender(run, num_receivers=2, bucket_mb=1, timeout_s=60, attempt="t", member_timeout_s=3)
     big = [("w", torch.ones(8 << 20))]  # 32 MiB: fills the socket buffers, so a stalled member blocks the send
@@ -154,7 +176,7 @@ def test_a_member_that_stalls_costs_the_member_timeout_once(tmp_path):
 def test_nothing_to_send_to_is_no_error(tmp_path, n):
     """Every member gone: updates are taken and dropped until one joins again."""
     run = RunDir(tmp_path).make()
-    out = CTX.Queue()
+    out = Reports()
     p = start(str(tmp_path), n, out)
     sender = BroadcastSender(run, num_receivers=1, bucket_mb=1, timeout_s=60, attempt="t", member_timeout_s=20)
     os.kill(p.pid, signal.SIGKILL)
