@@ -282,6 +282,12 @@ class WeightsConfig:
     # Seconds one broadcast (or forming the group) may wait for a member; a member that takes longer (stalled, or its
     # node gone without closing its connections) is left out and joins again at a later update.
     member_timeout_s: float = 60.0
+    # How a worker takes an update over the broadcast transport. "buffered": received into a copy of the weights while
+    # the worker generates, loaded between generations (the trainer never waits for a generation; the worker holds the
+    # model twice). "in_place": loaded bucket by bucket straight into the engine (no second copy; two buckets of
+    # weights.bucket_mb) once the worker is between generations: the trainer's broadcast waits for that, and vLLM's
+    # in-flight updates are off. Needs an engine that loads part of the model at a time (hf; vLLM on GPU).
+    receive: str = "buffered"
 
 
 @dataclass
@@ -414,6 +420,7 @@ class ConfigError(ValueError):
 
 _CHOICES = {
     "weights.transport": ("broadcast", "filesystem"),
+    "weights.receive": ("buffered", "in_place"),
     "inference.engine": ("hf", "vllm"),
     "inference.weight_update": ("auto", "reload", "inplace", "file"),
     "algo.normalize": ("token", "sequence", "constant"),
@@ -502,6 +509,15 @@ def validate(cfg: Config) -> None:
     need(cfg.inference.idle_timeout_s >= 0, "inference.idle_timeout_s", "must be >= 0 (0: wait forever)")
     need(cfg.inference.max_restarts >= 0, "inference.max_restarts", "must be >= 0")
     need(cfg.weights.member_timeout_s > 0, "weights.member_timeout_s", "must be > 0")
+    need(cfg.weights.receive == "buffered" or not cfg.inference.serve, "weights.receive",
+         "in_place cannot be combined with inference.serve=true (an HTTP request could see part-loaded weights); "
+         "use weights.receive=buffered")
+    inf = cfg.inference
+    whole = inf.engine == "vllm" and (inf.tensor_parallel_size > 1 or inf.weight_update in ("reload", "file")
+                                      or inf.quantization is not None)
+    need(cfg.weights.receive == "buffered" or not whole, "weights.receive",
+         "in_place needs vLLM's in-place load_weights (GPU, inference.tensor_parallel_size=1, no quantization, "
+         "inference.weight_update auto or inplace): this vLLM setup reloads the whole model; use weights.receive=buffered")
     need(cfg.eval.num_tasks >= 1, "eval.num_tasks", "must be >= 1")
     need(cfg.eval.timeout_s > 0, "eval.timeout_s", "must be > 0")
     need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")

@@ -57,3 +57,18 @@ def test_one_step_overlap_never_trains_on_groups_older_than_the_bound(tmp_path):
     dropped = sum(r["async/dropped_groups"] for r in rows)
     files = list((run_dir / "queue" / "dropped").glob("*.safetensors"))
     assert dropped == 8 * len(files)  # every dropped group is counted
+
+
+@pytest.mark.slow
+def test_workers_loading_weights_in_place_keep_the_overlap_and_the_exactness(tmp_path):
+    """weights.receive=in_place: each update waits for the worker to finish its generation, then loads straight into
+    the engine; the run keeps its one step of overlap and the two sides stay exact."""
+    run_dir, rows = run(tmp_path, "async_level=1", "weights.receive=in_place", "weights.bucket_mb=1")
+    assert len(rows) == 12 and all(r["async/staleness_max"] <= 1 for r in rows)
+    # A step whose groups all come from the current weights recomputes the inference logprobs exactly.
+    current = [r for r in rows if r["async/staleness_max"] == 0]
+    assert current and all(r["loss/mismatch_kl"] < 1e-6 for r in current), [(r["async/staleness_max"],
+                                                                               r["loss/mismatch_kl"]) for r in rows]
+    assert "members [1, 2] ([1, 2] load in place)" in (run_dir / "logs" / "trainer-0.log").read_text()
+    log = "".join(p.read_text() for p in (run_dir / "logs").glob("inference-*.log"))
+    assert "torn" not in log

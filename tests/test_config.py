@@ -63,6 +63,20 @@ def test_an_unknown_trainer_dtype_names_the_key_and_the_choices(override, key):
         validate(composed("run_dir=/tmp/x", override))
 
 
+def test_weights_loaded_in_place_are_refused_beside_the_http_endpoint_naming_the_key():
+    # An HTTP request between two buckets of an update would see part-loaded weights.
+    cfg = composed("run_dir=/tmp/x", "weights.receive=in_place", "inference.serve=true")
+    with pytest.raises(ConfigError, match="weights.receive.*inference.serve"):
+        validate(cfg)
+    validate(composed("run_dir=/tmp/x", "weights.receive=in_place"))
+    # vLLM reloading the whole model (tensor parallelism, quantization, reload or file) cannot load bucket by bucket.
+    with pytest.raises(ConfigError, match="weights.receive.*load_weights"):
+        validate(composed("run_dir=/tmp/x", "weights.receive=in_place", "inference=vllm",
+                          "inference.tensor_parallel_size=2"))
+    with pytest.raises(ConfigError, match="weights.receive.*buffered, in_place"):
+        validate(composed("run_dir=/tmp/x", "weights.receive=inplace"))
+
+
 def test_float32_compute_over_bfloat16_master_weights_is_refused_naming_the_key():
     cfg = composed("run_dir=/tmp/x", "trainer.param_dtype=float32", "trainer.master_dtype=bfloat16")
     with pytest.raises(ConfigError, match="trainer.param_dtype"):

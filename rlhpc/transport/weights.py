@@ -44,7 +44,8 @@ NamedTensors = Iterable[Tuple[str, torch.Tensor]]
 @dataclass
 class Update:
     version: int
-    tensors: List[Tuple[str, torch.Tensor]]
+    # None: already loaded into the engine (a receiver in place, weights.receive=in_place).
+    tensors: Optional[List[Tuple[str, torch.Tensor]]]
 
 
 class WeightsSender(ABC):
@@ -166,6 +167,9 @@ class FilesystemReceiver(WeightsReceiver):
 # a new epoch at its next update. A member that dies breaks the epoch: the broadcast fails (gloo reports a closed
 # connection at once; a member that stalls costs weights.member_timeout_s), the trainer calls a new epoch of those
 # alive and sends the same version again. A member whose group failed reads on and answers the next call.
+# A member that loads updates in place (weights.receive=in_place: no second copy of the weights) answers calls with
+# "in_place" and, at each update, sets ready/<n>/<id> (n: the update's message) once its engine is between generations;
+# the trainer waits for those (at most weights.timeout_s) before it broadcasts.
 
 
 def _make_group(store: dist.Store, rank: int, size: int, backend: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
@@ -219,9 +223,11 @@ class BroadcastSender(WeightsSender):
         self.member_timeout = datetime.timedelta(seconds=member_timeout_s)
         host = os.environ.get("RLHPC_WEIGHTS_HOST") or host or node_address()
         timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
         self.store = dist.TCPStore(host, 0, num_receivers + 1, True, timeout=timeout, wait_for_workers=False)
         self.token = secrets.token_hex(16)
         self.members: List[int] = []  # member ids of the current epoch, in group-rank order (group rank = index + 1)
+        self.in_place: set = set()  # members of the epoch that load in place: each update waits for them to be ready
         self.epoch, self.group, self.broken = -1, None, False
         self.next_msg = 0
         self.watch = set(range(1, num_receivers + 1))  # member ids whose join/<id> claims are read
@@ -311,6 +317,7 @@ class BroadcastSender(WeightsSender):
                 break
             time.sleep(0.005)
         self.members = sorted(answered)
+        self.in_place = {m for m in self.members if self.store.get(f"ack/{e}/{m}") == b"in_place"}
         self.store.set(f"members/{e}", json.dumps(self.members))
         if expected - answered:
             log.warning("weights group: members %s did not answer epoch %d (dead, or still failing an earlier one); "
@@ -323,7 +330,8 @@ class BroadcastSender(WeightsSender):
             except Exception as err:  # noqa: BLE001 - a member died after answering: the next update calls again
                 log.warning("weights group epoch %d did not form (%s)", e, str(err).splitlines()[0][:200])
                 self.broken = True
-        log.info("weights group epoch %d: members %s", e, self.members)
+        log.info("weights group epoch %d: members %s%s", e, self.members,
+                 f" ({sorted(self.in_place)} load in place)" if self.in_place else "")
 
     def _drop_group(self) -> None:
         # Releasing the group closes its connections, so members still waiting in it fail at once and answer the next
@@ -346,7 +354,9 @@ class BroadcastSender(WeightsSender):
         joined = self._read_claims(set(), start=self.next_msg)
         if joined or self.broken:
             self._call(set(self.members) | set(joined))
-        self._say({"kind": "update", "version": version, "epoch": self.epoch})
+        n = self._say({"kind": "update", "version": version, "epoch": self.epoch})
+        if self.in_place and self.group is not None and not self.broken:
+            self._wait_ready(n, version)
         # Bucket k+1 is gathered and copied into its staging buffer while bucket k is on the wire (gloo and NCCL run
         # the broadcast asynchronously); two staging buffers per dtype, kept across updates.
         sent, inflight = 0, None
@@ -369,6 +379,21 @@ class BroadcastSender(WeightsSender):
             inflight = None if self.broken else (self._start(flat), flat)
         sent += self._finish(inflight, version)
         return sent
+
+    def _wait_ready(self, n: int, version: int) -> None:
+        """Waits until every member that loads in place is between generations (it then receives at once); one that
+        is not within weights.timeout_s breaks the epoch: the group is dropped now, so that those ready fail at once
+        rather than after weights.member_timeout_s, and the next update calls a new epoch."""
+        keys = [f"ready/{n}/{m}" for m in sorted(self.in_place)]
+        deadline, backoff = time.monotonic() + self.timeout_s, Backoff(0.05, first_s=0.001)
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                late = [m for m, k in zip(sorted(self.in_place), keys) if not self.store.check([k])]
+                self._failed(TimeoutError(f"members {late} (weights.receive=in_place) were not ready within "
+                                          f"weights.timeout_s={self.timeout_s:.0f}s"), version)
+                self._drop_group()
+                return
+            time.sleep(backoff.next())
 
     def _staging(self, slot: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         key = (slot, dtype)
@@ -415,10 +440,17 @@ class BroadcastReceiver(WeightsReceiver):
     """An inference worker's end of the weights group. A background thread follows the trainer's messages and receives
     every update as it is broadcast (so the trainer never waits for a generation to finish); `poll` hands the newest
     one to the worker's loop. `attempt`: the launch whose rendezvous to join (None: whichever is current, for workers
-    attached to a running run)."""
+    attached to a running run).
+
+    `load` (weights.receive=in_place): instead of keeping a received copy of the weights for `poll`, each bucket is
+    loaded into the engine as it lands, through `load(named_tensors)` (part of the model each call), into two
+    bucket-sized buffers: the worker holds no second copy of the model. The engine must then not be in use meanwhile:
+    the worker's loop holds `gate` while it generates or evaluates, and an update waits for it (the trainer waits for
+    every such member to be ready). `poll` then hands out Update(version, None). An update that fails part way leaves
+    the engine's weights torn (`torn`): the worker must not generate until the next complete update."""
 
     def __init__(self, run: RunDir, rank: int, timeout_s: float, attempt: Optional[str], token: Optional[str] = None,
-                 abort=None, member_timeout_s: float = 60.0):
+                 abort=None, member_timeout_s: float = 60.0, load=None):
         path = run.rendezvous / "weights.json"
 
         def current():
@@ -430,6 +462,9 @@ class BroadcastReceiver(WeightsReceiver):
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.member, self.timeout_s = rank, timeout_s
         self.member_timeout = datetime.timedelta(seconds=member_timeout_s)
+        self.load = load
+        self.gate = threading.Lock() if load is not None else None
+        self.torn = False
         self.store = dist.TCPStore(info["host"], info["port"], info["world_size"], False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
         self.token = info["token"] if token is None else token
@@ -493,7 +528,10 @@ class BroadcastReceiver(WeightsReceiver):
                 if msg["kind"] == "call":
                     self._answer(msg["epoch"])
                 elif self.group is not None and msg["epoch"] == self.group_epoch:
-                    self._receive(msg["version"])
+                    if self.load is not None:
+                        self._receive_in_place(msg["version"], self.cursor - 1)
+                    else:
+                        self._receive(msg["version"])
                 elif msg["epoch"] != self.group_epoch or self.group is None:
                     # An update of an epoch this member is not in (it missed the call): join the next one.
                     self.cursor = self._join()
@@ -506,7 +544,7 @@ class BroadcastReceiver(WeightsReceiver):
     def _answer(self, epoch: int) -> None:
         """Answers a call; forms epoch `epoch`'s group if listed, else joins again."""
         self._drop_group()
-        self.store.set(f"ack/{epoch}/{self.member}", "1")
+        self.store.set(f"ack/{epoch}/{self.member}", "1" if self.load is None else "in_place")
         self.store.wait([f"members/{epoch}"], datetime.timedelta(seconds=self.timeout_s))
         members = json.loads(self.store.get(f"members/{epoch}"))
         if self.member not in members:
@@ -527,10 +565,7 @@ class BroadcastReceiver(WeightsReceiver):
         gc.collect()
 
     def _receive(self, version: int) -> None:
-        if self.layout is None:  # fixed by the first update
-            info = json.loads(self.store.get("layout"))
-            self.layout = [(n, s, d) for n, s, d in info["tensors"]]
-            self.buckets = _bucketize(self.layout, info["bucket_bytes"])
+        self._fix_layout()
         layout = self.layout
         with self._lock:
             flats = self._free.pop() if self._free else None
@@ -559,6 +594,57 @@ class BroadcastReceiver(WeightsReceiver):
                 self._release(self._pending)
             self._latest, self._pending = Update(version, tensors), flats
             self._arrived.set()
+
+    def _receive_in_place(self, version: int, n: int) -> None:
+        """Loads update `version` (message `n`) into the engine bucket by bucket, once the engine is free: bucket k+1
+        lands in one buffer while bucket k is loaded from the other."""
+        self._fix_layout()
+        layout, buckets = self.layout, self.buckets
+        if not self._free:  # two buffers per dtype, as large as that dtype's largest bucket, kept across updates
+            sizes: dict = {}
+            for bucket in buckets:
+                dt = layout[bucket[0]][2]
+                sizes[dt] = max(sizes.get(dt, 0), sum(_numel(layout[i][1]) for i in bucket))
+            self._free.append({dt: [torch.empty(n_, dtype=dtype_of(dt), device=self.device) for _ in range(2)]
+                               for dt, n_ in sizes.items()})
+        buffers = self._free[0]
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+
+        def post(k):
+            bucket = buckets[k]
+            flat = buffers[layout[bucket[0]][2]][k % 2][:sum(_numel(layout[i][1]) for i in bucket)]
+            return self.group.broadcast([flat], opts), flat
+
+        with self.gate:
+            self.store.set(f"ready/{n}/{self.member}", "1")
+            posted: list = []
+            try:
+                posted += [post(k) for k in range(min(2, len(buckets)))]
+                for k, bucket in enumerate(buckets):
+                    work, flat = posted[k]
+                    work.wait()
+                    sizes = [_numel(layout[i][1]) for i in bucket]
+                    self.torn = True  # from the first bucket loaded until the last
+                    self.load([(layout[i][0], part.view(layout[i][1])) for i, part in zip(bucket, flat.split(sizes))])
+                    if k + 2 < len(buckets):
+                        posted.append(post(k + 2))
+            except Exception as e:  # noqa: BLE001 - the epoch broke (a member died): answer the next call
+                log.warning("weights group epoch %d failed receiving version %d in place (%s); the engine's weights "
+                            "are torn until the next update", self.group_epoch, version, str(e).splitlines()[0][:200])
+                del posted
+                self._drop_group()
+                return
+            self.torn = False
+        with self._lock:
+            self._latest = Update(version, None)
+            self._arrived.set()
+
+    def _fix_layout(self) -> None:
+        if self.layout is None:  # fixed by the first update
+            info = json.loads(self.store.get("layout"))
+            self.layout = [(n, s, d) for n, s, d in info["tensors"]]
+            self.buckets = _bucketize(self.layout, info["bucket_bytes"])
 
     def _release(self, flats) -> None:
         """Keeps one set of buffers for the next update (the pages stay mapped: no page faults on the next receive);

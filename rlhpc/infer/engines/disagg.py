@@ -94,6 +94,10 @@ class DisaggregatedVLLMEngine(Engine):
 
     supports_inflight_updates = True
 
+    @property
+    def loads_in_parts(self) -> bool:
+        return self.prefill.loads_in_parts and self.decode.loads_in_parts
+
     def __init__(
         self,
         model_path: str,

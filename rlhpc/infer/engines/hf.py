@@ -12,6 +12,8 @@ from rlhpc.models import load_model
 
 
 class HFEngine(Engine):
+    loads_in_parts = True  # update_weights takes any subset of the tensors (weights.receive=in_place)
+
     def __init__(self, model: torch.nn.Module, pad_token_id: int):
         self.model = model
         self.pad = pad_token_id

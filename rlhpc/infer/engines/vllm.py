@@ -99,6 +99,13 @@ class _QuietRotaryReload(logging.Filter):
 
 class VLLMEngine(Engine):
     supports_inflight_updates = True
+
+    @property
+    def loads_in_parts(self) -> bool:
+        """Whether update_weights takes any subset of the tensors (weights.receive=in_place): vLLM's in-place
+        load_weights does (GPU); reloading layer by layer or from a file needs the whole model at once."""
+        return self._update_path() == "in-place load_weights"
+
     # Engines of this process whose model runs in it (tensor_parallel_size 1). They share vLLM's process-global
     # torch.distributed state, which only the last one to close may tear down.
     _in_process = 0
