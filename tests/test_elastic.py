@@ -119,3 +119,38 @@ def test_a_worker_that_joins_after_the_last_update_takes_the_final_snapshot(tmp_
     for name, p in engine.model.named_parameters():
         assert torch.equal(p, dict(trained.named_parameters())[name])
     assert _catch_up(run, engine, 7, published=7) == 7  # nothing newer: nothing loaded
+
+
+def test_interval_snapshots_are_written_from_the_stream_as_it_is_broadcast(tmp_path):
+    """weights.snapshot_interval with the broadcast transport: the snapshot is written as the weights stream goes out
+    (a writer thread takes each tensor as it passes, no full copy), and holds exactly the version published."""
+    import torch
+
+    from rlhpc import models
+    from rlhpc.config import ModelConfig
+    from rlhpc.identity import Identity
+    from rlhpc.rundir import RunDir
+    from rlhpc.train.publish import Publisher, full_state
+    from rlhpc.transport.weights import latest_snapshot, load_snapshot
+
+    model_dir = models.build(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2), tmp_path / "m")
+    run = RunDir(tmp_path / "run").make()
+    model = models.load_model(model_dir)
+    cfg = config_mod.to_typed({"run_dir": str(run.root), "trainer": {"steps": 9},
+                               "inference": {"num_workers": 0},  # a group without members: the stream still goes out
+                               "weights": {"transport": "broadcast", "snapshot_interval": 2, "timeout_s": 30}})
+    publisher = Publisher(cfg, Identity("trainer", 0, 1, run.root, "t"), run)
+    publisher.start()
+    try:
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.1)
+            publisher.publish(model, version)
+            if version == 2:
+                want = {n: t.clone() for n, t in full_state(model, torch.float32)}  # (views of the parameters)
+        assert latest_snapshot(run) == 2  # versions 1 and 3 are not due
+        got = dict(load_snapshot(run, 2))
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    finally:
+        publisher.close()

@@ -4,6 +4,9 @@ exported as a Hugging Face folder. With FSDP2 every rank takes part in the strea
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from pathlib import Path
 from typing import Iterator, Optional, Tuple
 
@@ -49,6 +52,65 @@ def export(path, model: torch.nn.Module, tokenizer, cfg: Config, is_main: bool) 
     write_hf_folder(Path(path), model, serving, checkpoint_layout(model, serving), stream, tokenizer)
 
 
+class SnapshotTap:
+    """Writes a snapshot of the weights stream while something else consumes it: each tensor is handed to a writer
+    thread as it passes (at most `depth` tensors wait for it), so the snapshot costs no full copy of the weights."""
+
+    _END = object()
+
+    def __init__(self, run: RunDir, version: int, layout, depth: int = 2, timeout_s: float = 600.0):
+        self.run, self.version, self.layout, self.timeout_s = run, version, layout, timeout_s
+        self.tensors: "queue.Queue" = queue.Queue(maxsize=depth)
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._write, name="snapshot-writer", daemon=True)
+
+    def __enter__(self) -> "SnapshotTap":
+        self.thread.start()
+        return self
+
+    def tee(self, stream: Iterator[Tuple[str, torch.Tensor]]) -> Iterator[Tuple[str, torch.Tensor]]:
+        for item in stream:
+            self._put(item)
+            yield item
+
+    def _put(self, item, check: bool = True) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if check and self.error is not None:
+                raise RuntimeError(f"weights snapshot v{self.version} failed: {self.error}") from self.error
+            try:
+                self.tensors.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                if time.monotonic() > deadline or not self.thread.is_alive():
+                    raise RuntimeError(f"weights snapshot v{self.version}: its writer took no tensor for "
+                                       f"{self.timeout_s:.0f}s") from None
+
+    def _write(self) -> None:
+        def stream():
+            while True:
+                item = self.tensors.get()
+                if item is SnapshotTap._END:
+                    return
+                yield item
+
+        try:
+            write_snapshot(self.run, self.version, None, write=lambda folder: write_safetensors_stream(
+                folder, self.layout, stream(), max_file_bytes=1 << 62))
+        except BaseException as e:  # noqa: BLE001 - raised in the publishing thread
+            self.error = e
+            while self.tensors.get() is not SnapshotTap._END:  # let the stream finish
+                pass
+
+    def __exit__(self, kind, value, tb) -> None:
+        self._put(SnapshotTap._END, check=False)  # a writer that failed drains until this
+        self.thread.join(timeout=self.timeout_s)
+        if self.thread.is_alive():
+            raise RuntimeError(f"weights snapshot v{self.version}: not written within {self.timeout_s:.0f}s")
+        if self.error is not None and kind is None:
+            raise RuntimeError(f"weights snapshot v{self.version} failed: {self.error}") from self.error
+
+
 class Publisher:
     """Sends each new weights version to the inference workers; the sender lives on rank 0 only."""
 
@@ -63,8 +125,9 @@ class Publisher:
 
     def make_sender(self) -> WeightsSender:
         w = self.cfg.weights
-        if w.transport == "filesystem":
-            return FilesystemSender(self.run)
+        if w.transport == "filesystem":  # each version written as it streams, one tensor at a time
+            return FilesystemSender(self.run, stream_writer=lambda folder, layout, stream: write_safetensors_stream(
+                folder, layout, stream, max_file_bytes=1 << 62))
         # Trainer rank 0's address as the launcher resolved it (under Slurm: the first node of the trainer group).
         return BroadcastSender(self.run, self.cfg.inference.num_workers, w.bucket_mb, w.timeout_s, self.ident.attempt,
                                host=self.ident.master_addr, member_timeout_s=w.member_timeout_s)
@@ -79,11 +142,13 @@ class Publisher:
             for _ in stream:  # take part in the all-gathers
                 pass
             return
+        layout = checkpoint_layout(model, serving)
         snap = self.cfg.weights.snapshot_interval
         if snap and version % snap == 0 and self.cfg.weights.transport == "broadcast":
-            stream = list(stream)
-            write_snapshot(self.run, version, stream)
-        self.sender.publish(version, stream, layout=checkpoint_layout(model, serving))
+            with SnapshotTap(self.run, version, layout) as tap:  # written as the stream goes out: no full copy
+                self.sender.publish(version, tap.tee(stream), layout=layout)
+            return
+        self.sender.publish(version, stream, layout=layout)
 
     def final_snapshot(self, model: torch.nn.Module, version: int, serving: torch.dtype) -> None:
         """The last version on disk too, written before it is broadcast: no update follows it, so a worker that joins

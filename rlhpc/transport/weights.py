@@ -121,11 +121,16 @@ def load_snapshot(run: RunDir, version: int) -> List[Tuple[str, torch.Tensor]]:
 
 
 class FilesystemSender(WeightsSender):
-    def __init__(self, run: RunDir, keep: int = 2):
-        self.run, self.keep = run, keep
+    """`stream_writer(folder, layout, tensors)`, if given, writes folder/model.safetensors from a stream of known
+    layout one tensor at a time (the trainer's: rlhpc/train/export.py); without it an update is collected first."""
+
+    def __init__(self, run: RunDir, keep: int = 2, stream_writer=None):
+        self.run, self.keep, self.stream_writer = run, keep, stream_writer
 
     def publish(self, version: int, tensors: NamedTensors, layout=None) -> int:
-        d = write_snapshot(self.run, version, tensors, keep=self.keep)
+        streamed = layout is not None and self.stream_writer is not None
+        write = (lambda folder: self.stream_writer(folder, layout, tensors)) if streamed else None
+        d = write_snapshot(self.run, version, tensors, keep=self.keep, write=write)
         return (d / "model.safetensors").stat().st_size
 
     def close(self) -> None:
