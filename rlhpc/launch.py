@@ -14,6 +14,7 @@ from typing import List, Optional
 from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
 from rlhpc import config as config_mod
 from rlhpc import preflight
+from rlhpc.cluster import memory
 from rlhpc.config import CONF_DIR, Config, ConfigError
 from rlhpc.preflight import RunDirError, prepare_run_dir
 
@@ -36,9 +37,15 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None) -> int:
     else:
         from rlhpc.cluster.sbatch_launcher import SbatchLauncher as Launcher  # type: ignore[no-redef]
     launcher = Launcher(cfg)
+    fit = memory.plan(cfg)  # the device mesh and the memory per GPU; refused when it cannot fit or divide
     if cfg.dry_run:
-        print(launcher.plan())
+        print(fit.placed_in(launcher.plan()))
+        if fit.refusal:
+            print(f"error: {fit.refusal}", file=sys.stderr)
+            return 2
         return 0
+    if fit.refusal:
+        raise ConfigError(fit.refusal)
     run = prepare_run_dir(cfg)
     return launcher.start(run)
 
