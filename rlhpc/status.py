@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from rlhpc.metrics import bottleneck, busy_by_process
 from rlhpc.rundir import RunDir, read_json
 from rlhpc.train.evaluation import read_curve
 
@@ -107,6 +108,8 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
                **{k: v for k, v in info.items() if k in ("host", "step", "version", "phase")}}
         for name, info in run.heartbeats().items() if "time" in info
     }
+    # Where the time goes lately (the tail of each process's metrics): working, or waiting for the other side.
+    out["busy"] = busy_by_process(run, rows_of=lambda path: _metrics_tail(path, 64 << 10))
     # Workers serving the policy over HTTP (inference.serve=true): rendezvous/serve-<rank>.json.
     out["endpoints"] = [e for e in (read_json(p) for p in sorted(run.rendezvous.glob("serve-*.json"))) if e]
     fail = run.failure_report()
@@ -170,6 +173,12 @@ def render(info: Dict[str, Any]) -> str:
             lines.append(f"  {name:<14} {hb['age_s']:>7.1f}s ago  on {hb.get('host', '?')}{extra}")
     else:
         lines.append("heartbeats: none yet")
+    if info.get("busy"):
+        lines.append("time (recent rows): " + "; ".join(f"{name} busy {b['busy']:.0%}, waiting {b['waiting']:.0%}"
+                                                        for name, b in info["busy"].items()))
+        verdict = bottleneck(info["busy"])
+        if verdict:
+            lines.append(f"         {verdict}")
     for e in info.get("endpoints", []):
         auth = "open" if e.get("auth") == "open" else f"token in rendezvous/{e.get('token_file')}"
         lines.append(f"serving: worker {e.get('rank')} at {e.get('url')}, model {e.get('model')} ({auth})")

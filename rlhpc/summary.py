@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from rlhpc.metrics import bottleneck
 from rlhpc.rundir import RunDir, read_json, write_json
 
 
@@ -26,5 +27,11 @@ def print_summary(run: RunDir, wall_time_s: Optional[float] = None) -> dict:
         text = f"{v:.3f}" if isinstance(v, float) and "time" not in k else (f"{v:.0f}" if isinstance(v, float) else str(v))
         print(f"{k:<{width}}  {text:>8}")
     print("-" * (width + 12))
+    if s.get("busy"):
+        print("time: " + "; ".join(f"{name} busy {b['busy']:.0%}, waiting {b['waiting']:.0%}"
+                                   for name, b in s["busy"].items()))
+        verdict = bottleneck(s["busy"])
+        if verdict:
+            print(f"      {verdict}")
     print(f"summary: {run.summary}")
     return s

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from rlhpc.metrics import bottleneck
+
 SMALL = ["+exp=reverse_text", "sft.steps=5", "eval.num_tasks=8", "eval.interval=0", "launcher.progress=false",
          "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1", "trainer.steps=12"]
 
@@ -23,7 +25,7 @@ def run(tmp_path, *overrides):
 
 @pytest.mark.slow
 def test_synchronous_mode_trains_only_on_groups_from_the_current_weights(tmp_path):
-    _, rows = run(tmp_path, "async_level=0")
+    run_dir, rows = run(tmp_path, "async_level=0")
     assert len(rows) == 12
     assert all(r["async/staleness_max"] == 0 for r in rows)
     # Same weights on both sides, fp32: the trainer recomputes the inference logprobs (mismatch KL ~0, ratio 1).
@@ -33,6 +35,11 @@ def test_synchronous_mode_trains_only_on_groups_from_the_current_weights(tmp_pat
     # covered, which synchronous mode would throw away (measured: 8 groups dropped per step before, 0 after; two
     # workers that look at the same instant may still both start one).
     assert sum(r["async/dropped_groups"] for r in rows) <= 8, [r["async/dropped_groups"] for r in rows]
+    # Where the time went, per process: synchronously the two sides take turns, and the summary says so.
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary["busy"]) == {"trainer-0", "inference-0", "inference-1"}
+    assert all(0 < b["busy"] and b["busy"] + b["waiting"] <= 1.01 for b in summary["busy"].values()), summary["busy"]
+    assert "both sides wait for each other" in bottleneck(summary["busy"]), summary["busy"]
 
 
 def drop_garbage_into_the_queue(run_dir):

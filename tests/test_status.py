@@ -85,3 +85,17 @@ def test_a_folder_that_is_not_a_run_directory_is_named(tmp_path):
     proc = status(tmp_path)
     assert proc.returncode == 2
     assert str(tmp_path) in proc.stderr and "not a run directory" in proc.stderr
+
+
+def test_the_status_says_which_side_waits_for_the_other(tmp_path):
+    """From the recent metrics rows of each process: how much of its time it worked and how much it waited."""
+    run = a_run(tmp_path)
+    trainer = [{"step": s, "time": 100.0 + 2 * s, "perf/train_s": 0.6, "weights/publish_s": 0.1,
+                "perf/rollout_wait_s": 1.2} for s in range(10)]
+    (run.logs / "trainer-0.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trainer))
+    for rank in (0, 1):
+        worker = [{"step": s, "time": 100.0 + s, "perf/generate_s": 0.95, "perf/idle_s": 0.0} for s in range(20)]
+        (run.logs / f"inference-{rank}.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in worker))
+    out = status(run.root).stdout
+    assert "trainer-0 busy 35%, waiting 60%" in out and "inference-1 busy 95%, waiting 0%" in out
+    assert "the trainer waits for rollouts 60% of the time: generation is the bottleneck" in out

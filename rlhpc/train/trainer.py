@@ -24,7 +24,7 @@ from rlhpc import env as env_mod
 from rlhpc import models
 from rlhpc.config import Config
 from rlhpc.identity import Identity
-from rlhpc.metrics import Metrics
+from rlhpc.metrics import Metrics, busy_by_process
 from rlhpc.rundir import RunDir, wait_for, write_json
 from rlhpc.stop import Stop, stop_requested
 from rlhpc.train import checkpoint, publish
@@ -163,6 +163,7 @@ class Trainer:
                 heldout_reward_rl=curve[-1][1], rl_steps=steps, rl_wall_time_s=rl_time,
                 trainer_wall_time_s=time.time() - t_start, eval_curve=curve, exp_name=cfg.exp_name,
                 async_level=cfg.async_level, algo=cfg.algo.name,
+                busy=busy_by_process(self.run),  # per process: fractions of the RL wall time working and waiting
             )
             write_json(self.run.summary, self.summary)
             write_json(self.run.done, {"time": time.time(), "steps": steps})
