@@ -19,8 +19,10 @@ from test_launch import rlhpc_processes
 # |held-out reward of the disturbed run - that of the undisturbed run|, both RL from the same warm start with the same
 # seed. Measured with `python benchmarks/chaos.py --steps 70 --checkpoint-interval 10 --repeats 3` (docs/
 # fault-tolerance.md): warm start 0.429; undisturbed 0.545 0.537 0.576, disturbed 0.524 0.561 0.549; the largest
-# |difference| of a pair 0.027, the undisturbed runs' own range 0.040 (async RL is not bitwise repeatable).
-REWARD_TOLERANCE = 0.06
+# |difference| of a pair 0.027, the undisturbed runs' own range 0.040 (async RL is not bitwise repeatable). Undisturbed
+# runs of this test since: 0.504, 0.511 (its disturbed twin 0.575: a difference of 0.064 from noise alone), so the
+# undisturbed runs span 0.504-0.576, and the tolerance is wider than that range.
+REWARD_TOLERANCE = 0.09
 # Disturbed runs gained +0.086 to +0.132 over the warm start (those three and this test's own run): a disturbed run
 # must gain at least this much, so a run that trained on little or nothing fails even when its undisturbed twin is low.
 MIN_GAIN = 0.04
