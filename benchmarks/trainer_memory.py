@@ -1,7 +1,7 @@
 """Peak resident memory of each trainer rank through model load, one RL step and a checkpoint, for 1, 2 and 4 ranks
 (FSDP2 over gloo, CPU), on a ~150M-parameter Qwen3 built in code and saved as Hugging Face safetensors.
 
-    python benchmarks/trainer_memory.py [--ranks 1 2 4] [--hidden 1024] [--layers 12] [--full-load]
+    python benchmarks/trainer_memory.py [--ranks 1 2 4] [--hidden 1024] [--layers 12] [--full-load] [--mmap-threshold-kb 128]
 
 Each rank is a fresh process running the trainer's own code (`Trainer.setup_model`, `train_step`, `checkpoint.save`).
 Its baseline is the resident set (VmRSS) after imports, process group and trainer construction; then the kernel's
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import sys
 import tempfile
 import time
@@ -149,7 +150,13 @@ def main() -> None:
     ap.add_argument("--full-load", action="store_true", help="measure the path before sharded loading")
     ap.add_argument("--eval-copy", action="store_true", help="add the full copy rank 0 kept for evaluation (N > 1) before evaluation moved to the workers")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--mmap-threshold-kb", type=int, default=0,
+                    help="run the ranks with glibc's MALLOC_MMAP_THRESHOLD_ (and MALLOC_TRIM_THRESHOLD_) fixed at this "
+                         "many KiB, so large freed buffers go back to the system; 0: glibc's default (a threshold that "
+                         "grows as large blocks are freed, which then stay in the heap)")
     args = ap.parse_args()
+    if args.mmap_threshold_kb:  # read by glibc when a process starts: the ranks, spawned below, inherit it
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = os.environ["MALLOC_TRIM_THRESHOLD_"] = str(args.mmap_threshold_kb << 10)
 
     from rlhpc import models
     from rlhpc.config import ModelConfig
@@ -171,7 +178,9 @@ def main() -> None:
                   + " / ".join(f"{t:.1f}" for t in r0["times"]) + " s", flush=True)
 
     path = "full load, then shard" if args.full_load else "sharded from the start"
-    print(f"\nPeak RSS per rank ({path}; gloo, CPU; evaluation copy {'on rank 0' if args.eval_copy else 'off'}), MiB:\n")
+    malloc = f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold_kb} KiB" if args.mmap_threshold_kb else "glibc's default malloc"
+    print(f"\nPeak RSS per rank ({path}; gloo, CPU; evaluation copy {'on rank 0' if args.eval_copy else 'off'}; "
+          f"{malloc}), MiB:\n")
     print("| ranks | rank | baseline | peak: load | peak: + RL step | peak: + checkpoint | model-state peak "
           "| ratio to 1 rank | 1/N | peak - (1-rank model state)/N |")
     print("|---|---|---|---|---|---|---|---|---|---|")
