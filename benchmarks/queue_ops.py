@@ -142,8 +142,7 @@ class Sim:
             if a.old:
                 waiting = len(q.pending_files()) + sum(1 for p in q.inflight.iterdir() if p.name != producer)
             else:
-                waiting = (q.pending_count() + q.claiming_count(progress["claimed"])
-                           + q.inflight_batches(exclude=producer))
+                waiting = q.pending_count() + q.inflight_batches(exclude=producer)
             pending_groups = waiting * a.groups_per_batch
             target = progress["claimed"] + pending_groups // a.groups_per_step
             if pending_groups >= a.max_pending_steps * a.groups_per_step or version < target - a.async_level:

@@ -31,10 +31,6 @@ def test_synchronous_mode_trains_only_on_groups_from_the_current_weights(tmp_pat
     # Same weights on both sides, fp32: the trainer recomputes the inference logprobs (mismatch KL ~0, ratio 1).
     assert all(r["loss/mismatch_kl"] < 1e-6 for r in rows), [r["loss/mismatch_kl"] for r in rows]
     assert all(abs(r["loss/ratio_mean"] - 1) < 1e-4 for r in rows)
-    # Workers count the groups in the claim the trainer is filling: they do not generate a batch for a step already
-    # covered, which synchronous mode would throw away (measured: 8 groups dropped per step before, 0 after; two
-    # workers that look at the same instant may still both start one).
-    assert sum(r["async/dropped_groups"] for r in rows) <= 8, [r["async/dropped_groups"] for r in rows]
     # Where the time went, per process: synchronously the two sides take turns, and the summary says so.
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary["busy"]) == {"trainer-0", "inference-0", "inference-1"}

@@ -375,16 +375,6 @@ class Queue:
         with os.scandir(self.pending) as it:
             return sum(1 for e in it if e.name.endswith(SUFFIX) and not e.name.startswith("."))
 
-    def claiming_count(self, step: int) -> int:
-        """Files the trainer has moved into `step`'s claim so far (it claims file by file as they arrive, and says the
-        step is claimed only once it has them all). A worker counts them with the pending ones, after them: a file
-        moved in between is counted twice (one batch too few, made up at the next look), never missed."""
-        try:
-            with os.scandir(self.step_dir(step)) as it:
-                return sum(1 for e in it if e.name.endswith(SUFFIX) and not e.name.startswith("."))
-        except FileNotFoundError:
-            return 0
-
     def pending_files(self) -> List[Path]:
         """Pending files, oldest first: one listing, and a stat only for names this Queue has not seen before (their
         age is remembered), so a trainer polling a busy folder pays per new file, not per file per look. Temporary
