@@ -75,9 +75,8 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
     receiver = make_receiver(cfg, ident, run, engine)
     # weights.receive=in_place: the receiver loads updates straight into the engine, whenever the loop does not hold
     # the gate (around every use of the engine); no in-flight updates then.
-    gate = receiver.gate if getattr(receiver, "gate", None) is not None else contextlib.nullcontext()
-    if (getattr(engine, "supports_inflight_updates", False) and cfg.inference.inflight_updates
-            and getattr(receiver, "gate", None) is None):
+    gate = receiver.gate or contextlib.nullcontext()
+    if getattr(engine, "supports_inflight_updates", False) and cfg.inference.inflight_updates and receiver.gate is None:
         engine.weight_updates = receiver.poll  # vLLM swaps weights between decode steps of a long generation
     metrics = Metrics(run, "inference", rank)
     # The first worker of the launch evaluates; restarted ones take over what is not evaluated yet, attached ones never.
@@ -97,7 +96,7 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
             if update.tensors is not None:  # (None: loaded in place already)
                 engine.update_weights(update.tensors)
             version = engine.version = update.version  # labels the tokens generated from now on
-        if getattr(receiver, "torn", False):  # an in-place update failed part way: wait for a whole one
+        if receiver.torn:  # an in-place update failed part way: wait for a whole one
             waited += receiver.wait(backoff.next())
             _check_idle(cfg, rank, t_last, version, "its weights are part-loaded (weights.receive=in_place)")
             continue

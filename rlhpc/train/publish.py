@@ -52,6 +52,11 @@ def export(path, model: torch.nn.Module, tokenizer, cfg: Config, is_main: bool) 
     write_hf_folder(Path(path), model, serving, checkpoint_layout(model, serving), stream, tokenizer)
 
 
+def snapshot_file(folder: Path, layout, stream: Iterator[Tuple[str, torch.Tensor]]) -> None:
+    """folder/model.safetensors from the weights stream, one tensor at a time (one file, whatever its size)."""
+    write_safetensors_stream(folder, layout, stream, max_file_bytes=1 << 62)
+
+
 class SnapshotTap:
     """Writes a snapshot of the weights stream while something else consumes it: each tensor is handed to a writer
     thread as it passes (at most `depth` tensors wait for it), so the snapshot costs no full copy of the weights."""
@@ -95,8 +100,8 @@ class SnapshotTap:
                 yield item
 
         try:
-            write_snapshot(self.run, self.version, None, write=lambda folder: write_safetensors_stream(
-                folder, self.layout, stream(), max_file_bytes=1 << 62))
+            write_snapshot(self.run, self.version, None,
+                           write=lambda folder: snapshot_file(folder, self.layout, stream()))
         except BaseException as e:  # noqa: BLE001 - raised in the publishing thread
             self.error = e
             while self.tensors.get() is not SnapshotTap._END:  # let the stream finish
@@ -126,8 +131,7 @@ class Publisher:
     def make_sender(self) -> WeightsSender:
         w = self.cfg.weights
         if w.transport == "filesystem":  # each version written as it streams, one tensor at a time
-            return FilesystemSender(self.run, stream_writer=lambda folder, layout, stream: write_safetensors_stream(
-                folder, layout, stream, max_file_bytes=1 << 62))
+            return FilesystemSender(self.run, stream_writer=snapshot_file)
         # Trainer rank 0's address as the launcher resolved it (under Slurm: the first node of the trainer group).
         return BroadcastSender(self.run, self.cfg.inference.num_workers, w.bucket_mb, w.timeout_s, self.ident.attempt,
                                host=self.ident.master_addr, member_timeout_s=w.member_timeout_s)
@@ -161,7 +165,7 @@ class Publisher:
             return
         layout = checkpoint_layout(model, serving)
         write_snapshot(self.run, version, None,
-                       write=lambda folder: write_safetensors_stream(folder, layout, stream, max_file_bytes=1 << 62))
+                       write=lambda folder: snapshot_file(folder, layout, stream))
 
     def close(self) -> None:
         self.sender.close()

@@ -59,6 +59,11 @@ class WeightsSender(ABC):
 
 
 class WeightsReceiver(ABC):
+    # A receiver that loads updates into the engine itself (BroadcastReceiver with `load`): the lock the worker holds
+    # around every use of its engine, and whether an update broke off part way.
+    gate: Optional[threading.Lock] = None
+    torn: bool = False
+
     @abstractmethod
     def poll(self) -> Optional[Update]:
         """The newest update not yet returned, or None. Its tensors are valid until the next call."""
