@@ -28,6 +28,9 @@ def test_synchronous_mode_trains_only_on_groups_from_the_current_weights(tmp_pat
     run_dir, rows = run(tmp_path, "async_level=0")
     assert len(rows) == 12
     assert all(r["async/staleness_max"] == 0 for r in rows)
+    # Workers count the groups of the claim being filled: none starts a batch for a step already covered, which would
+    # be one version too old and dropped (8 groups per step before they did).
+    assert sum(r["async/dropped_groups"] for r in rows) == 0
     # Same weights on both sides, fp32: the trainer recomputes the inference logprobs (mismatch KL ~0, ratio 1).
     assert all(r["loss/mismatch_kl"] < 1e-6 for r in rows), [r["loss/mismatch_kl"] for r in rows]
     assert all(abs(r["loss/ratio_mean"] - 1) < 1e-4 for r in rows)

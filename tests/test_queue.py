@@ -102,6 +102,24 @@ def test_a_claim_interrupted_before_its_manifest_keeps_the_files_it_had_moved(tm
     assert len(claim.batch.groups) == 4
 
 
+def test_workers_see_how_many_groups_the_claim_being_filled_holds(tmp_path):
+    """A claim tells its progress after each pass that moved files: workers count those groups as covered."""
+    q = Queue(tmp_path)
+    q.publish(make_batch(num_groups=1, tag="a"), "w0", 0)  # a file may hold fewer groups than a worker's batch
+    result = {}
+    claimer = threading.Thread(target=lambda: result.update(claim=q.claim(
+        0, num_groups=3, min_version=0, timeout_s=30, on_progress=lambda n: q.set_progress(0, 0, claiming=n))))
+    claimer.start()
+    deadline = time.time() + 10
+    while Queue(tmp_path).progress().get("claiming") != 1 and time.time() < deadline:
+        time.sleep(0.01)
+    assert Queue(tmp_path).progress() == {"claimed": 0, "version": 0, "claiming": 1}
+    q.publish(make_batch(num_groups=2, tag="b"), "w0", 1)
+    claimer.join(timeout=30)
+    assert len(result["claim"].batch.groups) == 3
+    assert Queue(tmp_path).progress()["claiming"] == 3  # then the trainer moves `claimed` on (rlhpc/train/claims.py)
+
+
 def test_groups_older_than_the_staleness_bound_are_dropped_and_counted(tmp_path):
     q = Queue(tmp_path)
     q.publish(make_batch(version=1, tag="old"), "w0", 0)

@@ -33,8 +33,11 @@ class Claims:
         if not self.is_main:
             return self.queue.wait_claim(step, timeout, abort=abort, max_version=step)
         # Weights version `step` is the newest there is: a group claiming a newer one is left from before a restart.
+        # Workers count the groups this claim holds so far (otherwise one would start a batch for a step already
+        # covered: with async_level=0 it would be one version too old and dropped).
         claim = self.queue.claim(step, self.cfg.trainer.groups_per_step, step - self.cfg.async_level, timeout,
-                                 abort=abort, max_version=step)
+                                 abort=abort, max_version=step,
+                                 on_progress=lambda have: self.queue.set_progress(step, step, claiming=have))
         self.queue.set_progress(claimed=step + 1, version=step)  # workers size their next batch by this
         return claim
 

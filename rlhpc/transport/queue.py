@@ -8,7 +8,8 @@
                                                  `queue.keep_quarantined`)
     queue/inflight/<producer>@<expiry ms>        a batch a worker is generating now: a lease its thread renews, counted
                                                  by back-pressure until it expires (`queue.lease_s`)
-    queue/progress.json                          {claimed: steps claimed so far, version: newest weights version}
+    queue/progress.json                          {claimed: steps claimed so far, version: newest weights version,
+                                                 claiming: groups in the claim being filled}
     queue/counts.json                            totals over the run: dropped files and groups, quarantined files
     queue/ledger.jsonl                           one line per trained (or skipped) step: the group uids it consumed
 
@@ -413,8 +414,11 @@ class Queue:
 
     # ---- the trainer -----------------------------------------------------------------------------------------------
 
-    def set_progress(self, claimed: int, version: int) -> None:
-        write_json(self.root / "progress.json", {"claimed": claimed, "version": version}, durable=False)
+    def set_progress(self, claimed: int, version: int, claiming: int = 0) -> None:
+        """What the workers size their next batch by: `claimed` steps have their groups, and the claim of step
+        `claimed` holds `claiming` groups so far."""
+        write_json(self.root / "progress.json", {"claimed": claimed, "version": version, "claiming": claiming},
+                   durable=False)
 
     def step_dir(self, step: int) -> Path:
         return self.steps / f"{step:08d}"
@@ -429,6 +433,7 @@ class Queue:
         poll_s: float = 0.01,
         max_version: Optional[int] = None,
         max_poll_s: float = 0.2,
+        on_progress: Optional[Callable[[int], None]] = None,
     ) -> Claim:
         """Claims at least `num_groups` groups of version >= `min_version` for `step`, or the ones claimed before.
 
@@ -437,19 +442,20 @@ class Queue:
         the reason. Files claimed before a restart are validated again; if none of them passes, the step claims
         afresh under a new revision of its manifest (which the other ranks wait for). Waiting backs off from
         `poll_s` to `max_poll_s`. Raises TimeoutError (naming the step) if not enough groups arrive within
-        `timeout_s`.
+        `timeout_s`. `on_progress(groups)` is told the groups claimed so far after each pass that moved files in.
 
         Its filesystem work is per step, not per file, beyond a rename per claimed file: one manifest and one update
         of counts.json; no fsync (the step's `record` makes its claim durable).
         """
         try:
-            return self._claim(step, num_groups, min_version, timeout_s, abort, poll_s, max_version, max_poll_s)
+            return self._claim(step, num_groups, min_version, timeout_s, abort, poll_s, max_version, max_poll_s,
+                               on_progress)
         finally:
             self._save_counts()  # the files dropped and quarantined meanwhile
 
     def _claim(self, step: int, num_groups: int, min_version: int, timeout_s: float,
                abort: Optional[Callable[[], Optional[str]]], poll_s: float, max_version: Optional[int],
-               max_poll_s: float) -> Claim:
+               max_poll_s: float, on_progress: Optional[Callable[[int], None]]) -> Claim:
         t0 = time.monotonic()
         sdir = self.step_dir(step)
         manifest = sdir / "manifest.json"
@@ -475,6 +481,8 @@ class Queue:
                 batches.append(b)
                 files.append(p.name)
         have = sum(len(b.groups) for b in batches)
+        if have and on_progress is not None:
+            on_progress(have)
         deadline = t0 + timeout_s
         delay = poll_s
         while have < num_groups:
@@ -499,6 +507,8 @@ class Queue:
                 progressed = True
                 if have >= num_groups:
                     break
+            if progressed and on_progress is not None:
+                on_progress(have)
             if have >= num_groups:
                 break
             if progressed:
