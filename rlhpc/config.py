@@ -163,6 +163,12 @@ class TrainerConfig:
     # Logprobs and entropy are computed this many tokens at a time, so a micro-batch's full [tokens x vocabulary]
     # logits are never held at once (the backward pass recomputes each chunk's logits); 0: the full logits.
     logprob_chunk_tokens: int = 2048
+    # How samples become model inputs. "shared_prefix": the samples of a group are packed into rows of at most
+    # `pack_row_tokens` tokens holding their common prefix (the prompt) once, then each sample's own tokens, with an
+    # attention mask that keeps samples apart (exact: every sample sees what it sees alone); the output head runs only
+    # on loss tokens. "padded": one right-padded row per sample (docs/trainer.md).
+    packing: str = "shared_prefix"
+    pack_row_tokens: int = 1024
     optim: OptimConfig = field(default_factory=OptimConfig)
     # Wrap the model with FSDP2 fully_shard (always on when num_ranks > 1). With FSDP2 the model is built on the meta
     # device and each rank loads only its shards (rlhpc/train/loading.py).
@@ -174,6 +180,10 @@ class TrainerConfig:
     # much smaller than a weight round away. Weights sent to inference and exports are cast to model.dtype.
     master_dtype: str = "float32"
     activation_checkpointing: bool = False
+    # Expert parallelism for MoE models: each layer's routed experts are computed on `ep` ranks (E/ep experts each),
+    # tokens reach them by all-to-all (rlhpc/train/experts.py). Must divide trainer.num_ranks; 1: experts are plain
+    # FSDP2 parameters.
+    ep: int = 1
     # Save a checkpoint every this many steps (0: only at the end and on a stop signal).
     checkpoint_interval: int = 0
     # Export the final model in Hugging Face format to checkpoints/final.
@@ -432,6 +442,7 @@ _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "trainer.param_dtype": ("auto", "float32", "bfloat16"),
     "trainer.master_dtype": ("float32", "bfloat16"),
+    "trainer.packing": ("shared_prefix", "padded"),
 }
 
 
@@ -466,6 +477,8 @@ def validate(cfg: Config) -> None:
     need(cfg.trainer.steps >= 0, "trainer.steps", "must be >= 0")
     need(cfg.trainer.num_ranks >= 1, "trainer.num_ranks", "must be >= 1")
     need(cfg.trainer.max_bad_steps >= 1, "trainer.max_bad_steps", "must be >= 1")
+    need(cfg.trainer.pack_row_tokens >= 1, "trainer.pack_row_tokens", "must be >= 1")
+    _check_expert_parallel(cfg)
     need(not (cfg.trainer.param_dtype == "float32" and cfg.trainer.master_dtype == "bfloat16"),
          "trainer.param_dtype", "float32 compute over bfloat16 master weights gains nothing: set "
          "trainer.master_dtype=float32 (mixed precision) or trainer.param_dtype=bfloat16 (pure bf16)")
@@ -539,6 +552,26 @@ def validate(cfg: Config) -> None:
         "cluster.grace_s",
         f"{cfg.cluster.grace_s}s leaves no time to run within cluster.time_min={cfg.cluster.time_min}",
     )
+
+
+# transformers' config keys for the number of routed experts, by family (qwen3_moe, glm/deepseek, mixtral/minimax).
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _check_expert_parallel(cfg: Config) -> None:
+    """trainer.ep: divides the ranks; for a model built in code, a MoE whose experts divide over the ranks (a model
+    from `model.path` is checked when the trainer shards it)."""
+    ep, ranks = cfg.trainer.ep, cfg.trainer.num_ranks
+    need(ep >= 1, "trainer.ep", "must be >= 1")
+    need(ranks % ep == 0, "trainer.ep", f"{ep} must divide trainer.num_ranks ({ranks})")
+    if ep == 1 or cfg.model.path is not None:
+        return
+    experts = next((cfg.model.extra[k] for k in _EXPERT_KEYS if k in cfg.model.extra), None)
+    need(experts is not None, "trainer.ep",
+         f"{ep} needs a MoE model; model.arch={cfg.model.arch!r} sets no routed experts (set trainer.ep=1)")
+    need(experts % ranks == 0, "trainer.ep",
+         f"the model's {experts} routed experts must divide evenly over the trainer.num_ranks={ranks} ranks that "
+         "store them")
 
 
 def to_typed(cfg: DictConfig | Dict[str, Any]) -> Config:

@@ -1,5 +1,6 @@
-"""Batching that does not change the math: a step's loss and gradients are the same for 1 or 2 FSDP2 ranks and for any
-micro-batch size; checkpoints resume exactly, also on a different number of ranks."""
+"""Batching that does not change the math: a step's loss and gradients are the same for 1 or 2 FSDP2 ranks, for any
+micro-batch size, and with a group's samples packed behind their shared prompt or padded one per row; checkpoints resume
+exactly, also on a different number of ranks."""
 
 import multiprocessing as mp
 import traceback
@@ -29,7 +30,7 @@ def make_batch(vocab: int, seed: int = 0, groups: int = 4, group_size: int = 4) 
     for i in range(len(lengths)):  # a 5-token prompt, then the completion
         mask[offsets[i] + 5 : offsets[i + 1]] = True
     return RolloutBatch(
-        tokens=torch.randint(3, vocab, (total,), generator=g),
+        tokens=_shared_prompts(torch.randint(3, vocab, (total,), generator=g), offsets, group_size),
         offsets=offsets,
         logprobs=torch.where(mask, -torch.rand(total, generator=g) * 3, torch.zeros(total)),
         loss_mask=mask,
@@ -38,6 +39,14 @@ def make_batch(vocab: int, seed: int = 0, groups: int = 4, group_size: int = 4) 
         groups=[Group(uid=str(i), env="t", task_id=str(i), version=0, num_samples=group_size,
                       rewards=[0.0] * group_size, truncated=[False] * group_size) for i in range(groups)],
     )
+
+
+def _shared_prompts(tokens: torch.Tensor, offsets: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The samples of a group start with the same 5-token prompt, as rollouts of one task do."""
+    for i in range(len(offsets) - 1):
+        first = offsets[i - i % group_size]
+        tokens[offsets[i] : offsets[i] + 5] = tokens[first : first + 5]
+    return tokens
 
 
 def _trainer(root: Path, rank: int, world: int, port: int, overrides: dict):
@@ -117,6 +126,15 @@ def test_loss_and_gradients_do_not_depend_on_ranks_or_micro_batches(run_root, no
         assert torch.allclose(grads_mb[name], g, atol=1e-6, rtol=1e-4), name
         assert torch.allclose(grads_2[name], g, atol=1e-6, rtol=1e-4), name
     assert max(g.abs().max() for g in grads_1.values()) > 1e-4  # a real gradient, not zeros
+
+
+@pytest.mark.slow
+def test_packing_a_groups_samples_behind_their_prompt_changes_nothing(run_root):
+    _, loss_pad, grads_pad = run_ranks(run_root, 1, {"trainer": {"packing": "padded"}})
+    _, loss_rows, grads_rows = run_ranks(run_root, 1, {"trainer": {"packing": "shared_prefix", "pack_row_tokens": 40}})
+    assert abs(loss_pad - loss_rows) < 1e-5
+    for name, g in grads_pad.items():
+        assert torch.allclose(grads_rows[name], g, atol=1e-6, rtol=1e-4), name
 
 
 def _train_worker(root, rank, world, port, overrides, out):

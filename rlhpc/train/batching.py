@@ -35,6 +35,105 @@ def plan_micro_batches(lengths: torch.Tensor, token_budget: int) -> List[torch.T
     return batches
 
 
+@dataclass
+class Row:
+    """Samples of one group packed into one sequence: their common prefix once, then each sample's own suffix."""
+
+    prefix: int  # tokens shared by all samples of the row (their group's common prefix)
+    samples: List[int]  # sample indices within the step
+
+    def length(self, sequences: Sequence[torch.Tensor]) -> int:
+        return self.prefix + sum(int(sequences[i].numel()) - self.prefix for i in self.samples)
+
+
+def common_prefix(seqs: Sequence[torch.Tensor]) -> int:
+    """The number of leading tokens all of `seqs` share."""
+    n = min(int(s.numel()) for s in seqs)
+    if len(seqs) < 2 or n == 0:
+        return n if len(seqs) == 1 else 0
+    first = seqs[0][:n]
+    same = torch.ones(n, dtype=torch.bool)
+    for s in seqs[1:]:
+        same &= s[:n] == first
+    return n if bool(same.all()) else int(torch.argmin(same.int()))
+
+
+def plan_rows(samples: Sequence[int], sequences: Sequence[torch.Tensor], group_of: torch.Tensor,
+              row_tokens: int) -> List[Row]:
+    """Packs the samples of each group into rows of at most `row_tokens` tokens (a sample longer than that gets a row
+    of its own): the group's common prefix (its prompt) once per row, then the samples' suffixes. `sequences[i]` is
+    sample i's tokens."""
+    by_group: dict = {}
+    for i in samples:
+        by_group.setdefault(int(group_of[i]), []).append(i)
+    rows = []
+    for members in by_group.values():
+        prefix = common_prefix([sequences[i] for i in members])
+        members = sorted(members, key=lambda i: -int(sequences[i].numel()))
+        current, length = [], prefix
+        for i in members:
+            own = int(sequences[i].numel()) - prefix
+            if current and length + own > row_tokens:
+                rows.append(Row(prefix, current))
+                current, length = [], prefix
+            current.append(i)
+            length += own
+        rows.append(Row(prefix, current))
+    return rows
+
+
+@dataclass
+class Packed:
+    """Rows of packed samples as model inputs, and where each wanted token's logprob comes from. In a row the prefix
+    attends causally to itself, each sample's suffix to the prefix and causally to itself, never to another sample;
+    positions restart after the prefix for each sample, so every sample sees exactly what it sees alone."""
+
+    input_ids: torch.Tensor  # long [R, W]
+    position_ids: torch.Tensor  # long [R, W]
+    attention_mask: torch.Tensor  # bool [R, 1, W, W], True: attend
+    predictors: torch.Tensor  # long [N], flat index (row * W + position) of the hidden state that predicts each target
+    targets: torch.Tensor  # long [N]
+
+
+def pack(rows: Sequence[Row], sequences: Sequence[torch.Tensor], wanted: Sequence[torch.Tensor],
+         pad_id: int) -> Packed:
+    """Packs `rows`. `wanted[i]` (bool, one per position 1..len-1 of sample i) selects the tokens whose logprob is
+    needed; targets come sample by sample in row order, positions ascending (as `mask[:, 1:][mask]` orders them)."""
+    width = max(r.length(sequences) for r in rows)
+    R = len(rows)
+    ids = torch.full((R, width), pad_id, dtype=torch.long)
+    pos = torch.zeros((R, width), dtype=torch.long)
+    seg = torch.full((R, width), -2, dtype=torch.long)  # -1: the prefix; j: the j-th sample of the row; -2: padding
+    predictors, targets = [], []
+    for r, row in enumerate(rows):
+        p = row.prefix
+        first = sequences[row.samples[0]]
+        ids[r, :p] = first[:p]
+        pos[r, :p] = torch.arange(p)
+        seg[r, :p] = -1
+        at = p
+        for j, i in enumerate(row.samples):
+            seq = sequences[i]
+            n = int(seq.numel())
+            ids[r, at : at + n - p] = seq[p:]
+            pos[r, at : at + n - p] = torch.arange(p, n)
+            seg[r, at : at + n - p] = j
+            # Token t (1 <= t < n) is predicted by the hidden state of token t-1: in the prefix, or in the suffix.
+            t = torch.nonzero(wanted[i]).flatten() + 1
+            before = t - 1
+            where = torch.where(before < p, before, at + before - p)
+            predictors.append(r * width + where)
+            targets.append(seq[t])
+            at += n - p
+    q = torch.arange(width)
+    causal = q.unsqueeze(1) >= q.unsqueeze(0)  # [W(query), W(key)]
+    sq, sk = seg.unsqueeze(2), seg.unsqueeze(1)
+    mask = causal & ((sq == sk) | (sk == -1))
+    empty = torch.zeros(0, dtype=torch.long)
+    return Packed(ids, pos, mask.unsqueeze(1), torch.cat(predictors) if predictors else empty,
+                  torch.cat(targets) if targets else empty)
+
+
 def balance_ranks(lengths: torch.Tensor, group_of: torch.Tensor, world: int) -> List[torch.Tensor]:
     """Splits samples over `world` ranks, whole groups together, balancing tokens (largest group first, to the
     lightest rank). Returns the sample indices of each rank."""
@@ -93,12 +192,44 @@ def token_logprobs(
     return out[..., 0], (out[..., 1].detach() if with_entropy else None)
 
 
+def packed_logprobs(model: torch.nn.Module, packed: Packed, temperature: float = 1.0, with_entropy: bool = False,
+                    chunk_tokens: int = 2048) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob (and entropy, no gradient) of each of `packed.targets` [N], from one forward over the packed rows. The
+    output head runs only on the N predicting positions (chunked as in `token_logprobs`), not on every position."""
+    mask = packed.attention_mask
+    if getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":  # eager attention adds its mask
+        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
+            ~mask, torch.finfo(torch.float32).min)
+    inputs = dict(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids)
+    head = model.get_output_embeddings() if chunk_tokens > 0 and _plain_head(model) else None
+    if head is None:
+        logits = model(**inputs).logits
+        logits = logits.reshape(-1, logits.shape[-1])[packed.predictors].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        out = logp.gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1)
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                entropy = -(logp.exp() * logp).sum(-1)
+        return out, entropy
+    ChunkedLogprobHead.install(head)
+    head.logprob_request = _Request(packed.targets, temperature, chunk_tokens, with_entropy, packed.predictors)
+    try:
+        out = model(**inputs).logits  # [1, N, 2]: logprob, entropy
+    finally:
+        head.logprob_request = None
+    return out[0, :, 0], (out[0, :, 1].detach() if with_entropy else None)
+
+
 @dataclass
 class _Request:
-    targets: torch.Tensor  # long [B, L-1]
+    targets: torch.Tensor  # long [B, L-1]; or [N] with `rows`
     temperature: float
     chunk_tokens: int
     with_entropy: bool
+    rows: torch.Tensor | None = None  # long [N]: the flat positions (row * W + position) whose hidden states predict
 
 
 # Config keys of models whose logits are not just the head's output (soft-capping, scaling): those take the full path.
@@ -133,18 +264,26 @@ class ChunkedLogprobHead(torch.nn.Linear):
         req = self.logprob_request
         if req is None:
             return super().forward(hidden)
-        B, Lm1 = req.targets.shape
-        if hidden.shape[1] != Lm1 + 1:
-            raise ValueError(f"the output head got {hidden.shape[1]} positions for {Lm1 + 1} input tokens")
-        h = hidden[:, :-1].reshape(B * Lm1, hidden.shape[-1])
-        targets = req.targets.reshape(B * Lm1)
+        if req.rows is not None:  # packed rows: only the predicting positions
+            shape = (1, req.targets.numel())
+            h = hidden.reshape(-1, hidden.shape[-1])[req.rows]
+            targets = req.targets
+        else:
+            B, Lm1 = shape = tuple(req.targets.shape)
+            if hidden.shape[1] != Lm1 + 1:
+                raise ValueError(f"the output head got {hidden.shape[1]} positions for {Lm1 + 1} input tokens")
+            h = hidden[:, :-1].reshape(B * Lm1, hidden.shape[-1])
+            targets = req.targets.reshape(B * Lm1)
         pieces = [
             _ChunkLogprob.apply(h[i : i + req.chunk_tokens], self.weight, self.bias, targets[i : i + req.chunk_tokens],
                                 req.temperature, req.with_entropy)
-            for i in range(0, B * Lm1, req.chunk_tokens)
+            for i in range(0, targets.numel(), req.chunk_tokens)
         ]
-        logp = torch.cat([p[0] for p in pieces]).view(B, Lm1)
-        entropy = torch.cat([p[1] for p in pieces]).view(B, Lm1)
+        if not pieces:  # nothing wanted: an empty result that still depends on the head (FSDP's hooks run)
+            empty = (h.sum() * 0.0).reshape(1).expand(0)
+            return torch.stack([empty, empty], dim=-1).reshape(*shape, 2)
+        logp = torch.cat([p[0] for p in pieces]).view(shape)
+        entropy = torch.cat([p[1] for p in pieces]).view(shape)
         return torch.stack([logp, entropy], dim=-1)  # a new tensor (FSDP2 wants its output not to be a view)
 
 

@@ -13,10 +13,23 @@ import torch.distributed as dist
 from rlhpc.algo import loss as loss_mod
 from rlhpc.algo.loss import LossInputs
 from rlhpc.config import Config
-from rlhpc.train.batching import balance_ranks, pad, plan_micro_batches, token_logprobs
+from rlhpc.train.batching import (Packed, balance_ranks, pack, packed_logprobs, pad, plan_micro_batches, plan_rows,
+                                  token_logprobs)
 from rlhpc.train.guard import BadSteps, nonfinite_advantages, nonfinite_groups, nonfinite_update
 from rlhpc.train.parallel import autocast
 from rlhpc.transport.queue import RolloutBatch
+
+
+# Models whose attention does not follow a custom attention mask: GLM-5's sparse attention picks its keys by its own
+# indexer (tests/test_packing.py). Their samples are padded one per row whatever trainer.packing says.
+NO_CUSTOM_MASK = ("glm_moe_dsa", "deepseek_v32")
+
+
+def packs(model: torch.nn.Module) -> bool:
+    """Whether `model` can take packed rows: attention that applies a 4-D mask (sdpa, eager) and no sparse selection."""
+    config = getattr(model, "config", None)
+    return (getattr(config, "model_type", None) not in NO_CUSTOM_MASK
+            and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager"))
 
 
 class Step:
@@ -52,7 +65,9 @@ class Step:
                     "train/bad_steps": float(self.bad_steps.total), "perf/train_s": time.time() - t0}
         sums: Dict[str, float] = {}
         n_loss_tokens = 0
-        plan = plan_micro_batches(lengths, cfg.trainer.micro_batch_tokens)
+        split = batch.offsets.diff().tolist()
+        sequences, loss_masks = batch.tokens.split(split), batch.loss_mask.split(split)
+        plan = self.plan(mine, lengths, sequences, batch.group_of, packs(model))
         if self.world > 1:  # every rank runs as many forward/backward passes (FSDP's collectives must pair up)
             n = torch.tensor([len(plan)])
             dist.all_reduce(n, op=dist.ReduceOp.MAX)
@@ -61,19 +76,17 @@ class Step:
             if mb is None:
                 self.idle_pass(model, pad_id)
                 continue
-            samples = mine[mb]
-            seqs = [batch.tokens[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()]
-            ids, attn = pad(seqs, pad_id)
-            masks, _ = pad([batch.loss_mask[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()], 0)
+            rows = mb if isinstance(mb, list) else None  # packed rows, or sample positions within `mine`
+            samples = torch.tensor([i for r in rows for i in r.samples]) if rows is not None else mine[mb]
+            masks, _ = pad([loss_masks[i] for i in samples.tolist()], 0)
             inf_lp, _ = pad([batch.logprobs[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()], 0)
-            ids, attn = ids.to(self.device), attn.to(self.device)
-            with autocast(cfg.trainer, self.device, model):  # one rank, mixed precision: the forward only
-                logp, entropy = token_logprobs(model, ids, attn, cfg.algo.temperature, with_entropy=True,
-                                               chunk_tokens=cfg.trainer.logprob_chunk_tokens)
             sel = masks[:, 1:].bool().to(self.device)
             row = torch.arange(len(samples), device=self.device).unsqueeze(1).expand_as(sel)[sel]
+            logprobs = self.logprobs(model, rows, samples, sequences, loss_masks, pad_id)
+            with autocast(cfg.trainer, self.device, model):  # one rank, mixed precision: the forward only
+                logp, entropy = logprobs(model, with_entropy=True)
             inputs = LossInputs(
-                logprobs=logp[sel],
+                logprobs=logp,
                 inference_logprobs=inf_lp[:, 1:].to(self.device)[sel],
                 advantages=batch.advantages[samples].to(self.device)[row],
                 sample_index=row,
@@ -81,9 +94,7 @@ class Step:
             )
             if reference is not None:
                 with torch.no_grad(), autocast(cfg.trainer, self.device, reference):
-                    ref_lp, _ = token_logprobs(reference, ids, attn, cfg.algo.temperature,
-                                               chunk_tokens=cfg.trainer.logprob_chunk_tokens)
-                inputs.reference_logprobs = ref_lp[sel]
+                    inputs.reference_logprobs, _ = logprobs(reference)
             out = self.loss_fn(inputs, cfg.algo)
             weight = loss_mod.token_weights(inputs, cfg.algo.normalize, total_tokens, total_samples,
                                             cfg.env.max_new_tokens)
@@ -92,7 +103,7 @@ class Step:
             k = int(sel.sum())
             n_loss_tokens += k
             sums["loss/total"] = sums.get("loss/total", 0.0) + float(loss.detach()) / self.world
-            sums["entropy"] = sums.get("entropy", 0.0) + float(entropy[sel].sum())
+            sums["entropy"] = sums.get("entropy", 0.0) + float(entropy.sum())
             for name, v in out.metrics.items():
                 sums[f"loss/{name}"] = sums.get(f"loss/{name}", 0.0) + float(v) * k
         if self.world > 1:  # the step's statistics over all ranks
@@ -126,6 +137,35 @@ class Step:
             "perf/loss_tokens": float(total_tokens),
         })
         return stats
+
+    def plan(self, mine: torch.Tensor, lengths: torch.Tensor, sequences, group_of: torch.Tensor, packing: bool) -> list:
+        """This rank's micro-batches: lists of packed rows (`trainer.packing=shared_prefix`), or index tensors into
+        `mine` of samples padded to a common length (`padded`). Either way at most `trainer.micro_batch_tokens` tokens,
+        padding included, or one row or sample alone if longer."""
+        budget = self.cfg.trainer.micro_batch_tokens
+        if self.cfg.trainer.packing != "shared_prefix" or not packing:
+            return plan_micro_batches(lengths, budget)
+        rows = plan_rows(mine.tolist(), sequences, group_of, self.cfg.trainer.pack_row_tokens)
+        sizes = torch.tensor([r.length(sequences) for r in rows], dtype=torch.long)
+        return [[rows[k] for k in mb.tolist()] for mb in plan_micro_batches(sizes, budget)]
+
+    def logprobs(self, model, rows, samples, sequences, loss_masks, pad_id):
+        """`f(model, with_entropy=False)`: the micro-batch's loss-token logprobs [N] (and entropies) under `model`,
+        in the order of `mask[:, 1:][mask]` over its samples."""
+        chunk, temperature = self.cfg.trainer.logprob_chunk_tokens, self.cfg.algo.temperature
+        if rows is not None:
+            packed = pack(rows, sequences, {i: loss_masks[i][1:] for i in samples.tolist()}, pad_id)
+            packed = Packed(*(t.to(self.device) for t in (packed.input_ids, packed.position_ids,
+                                                           packed.attention_mask, packed.predictors, packed.targets)))
+            return lambda m, with_entropy=False: packed_logprobs(m, packed, temperature, with_entropy, chunk)
+        ids, attn = pad([sequences[i] for i in samples.tolist()], pad_id)
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        sel = pad([loss_masks[i] for i in samples.tolist()], 0)[0][:, 1:].bool().to(self.device)
+
+        def padded(m, with_entropy=False):
+            logp, entropy = token_logprobs(m, ids, attn, temperature, with_entropy=with_entropy, chunk_tokens=chunk)
+            return logp[sel], (entropy[sel] if entropy is not None else None)
+        return padded
 
     def idle_pass(self, model: torch.nn.Module, pad_id: int) -> None:
         """A forward/backward that adds nothing to the gradients, for a rank with fewer micro-batches than others."""

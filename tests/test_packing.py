@@ -1,0 +1,78 @@
+"""Packing a group's samples behind their shared prompt (trainer.packing=shared_prefix): each sample gets the logprobs
+and gradients it gets alone, for the dense and MoE model families, and the rows hold far fewer tokens than the samples.
+GLM-5's sparse attention does not follow the packing mask (the same comparison differs by ~6e-2), so it stays padded."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhpc import models
+from rlhpc.train.batching import common_prefix, pack, packed_logprobs, plan_rows, token_logprobs
+from rlhpc.train.step import packs
+from test_moe import preset
+
+VOCAB = 100
+
+
+def rollouts(seed=0):
+    """Three groups: two share a prompt (of 7 and 12 tokens), one has none; completions of 1 to 9 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    seqs, group_of = [], []
+    for group, prompt_len in enumerate((7, 12, 0)):
+        prompt = torch.randint(3, VOCAB, (prompt_len,), generator=g)
+        for _ in range(4):
+            n = int(torch.randint(1, 10, (1,), generator=g))
+            seqs.append(torch.cat([prompt, torch.randint(3, VOCAB, (n if prompt_len else n + 3,), generator=g)]))
+            group_of.append(group)
+    return seqs, torch.tensor(group_of)
+
+
+def test_rows_hold_each_prompt_once_and_respect_their_size():
+    seqs, group_of = rollouts()
+    assert common_prefix(seqs[:4]) >= 7 and common_prefix(seqs[8:]) < 3
+    rows = plan_rows(range(len(seqs)), seqs, group_of, row_tokens=30)
+    assert sorted(i for r in rows for i in r.samples) == list(range(len(seqs)))  # every sample once
+    assert all(r.length(seqs) <= 30 or len(r.samples) == 1 for r in rows)
+    assert sum(r.length(seqs) for r in rows) < sum(len(s) for s in seqs)  # the prompts are not repeated
+
+
+def test_models_whose_attention_ignores_the_mask_are_padded_instead(tmp_path: Path):
+    models.build(preset("tiny_glm5"), tmp_path / "glm5")
+    models.build(preset("tiny_qwen3_moe"), tmp_path / "moe")
+    assert not packs(models.load_model(tmp_path / "glm5"))  # its sparse attention's indexer picks keys by itself
+    assert packs(models.load_model(tmp_path / "moe"))
+
+
+@pytest.mark.parametrize("name,attention", [("tiny_qwen3", "sdpa"), ("tiny_qwen3", "eager"), ("tiny_qwen3_moe", "sdpa")])
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_each_packed_sample_gets_the_logprobs_and_gradients_it_gets_alone(tmp_path: Path, name, attention, chunk):
+    cfg = preset(name)
+    models.build(cfg, tmp_path / "model")
+    model = models.load_model(tmp_path / "model")
+    model.set_attn_implementation(attention)
+    assert model.config._attn_implementation == attention
+    model.train()
+    seqs, group_of = rollouts()
+    seqs = [s % model.config.vocab_size for s in seqs]
+    # Alone: one sample per forward, no padding; the logprob of every token after the first.
+    alone = [token_logprobs(model, s.unsqueeze(0), torch.ones(1, len(s), dtype=torch.long), 0.7,
+                            chunk_tokens=chunk)[0][0] for s in seqs]
+    torch.stack([a.sum() for a in alone]).sum().backward()
+    grads_alone = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    # Packed: rows of at most 25 tokens, padded to the longest row; wanted = every position.
+    rows = plan_rows(range(len(seqs)), seqs, group_of, row_tokens=25)
+    assert any(len(r.samples) > 1 and r.prefix > 0 for r in rows)
+    order = [i for r in rows for i in r.samples]
+    packed = pack(rows, seqs, {i: torch.ones(len(s) - 1, dtype=torch.bool) for i, s in enumerate(seqs)}, pad_id=0)
+    logp, entropy = packed_logprobs(model, packed, 0.7, with_entropy=True, chunk_tokens=chunk)
+    expected = torch.cat([alone[i] for i in order])
+    assert logp.shape == expected.shape and entropy.shape == expected.shape
+    assert torch.allclose(logp, expected.detach(), atol=1e-5), (logp - expected).abs().max()
+    logp.sum().backward()
+    assert grads_alone
+    for n, p in model.named_parameters():  # sums over a hundred tokens, added in another order: fp32 rounding only
+        if n in grads_alone:
+            scale = float(grads_alone[n].abs().max())
+            assert float((p.grad - grads_alone[n]).abs().max()) <= 1e-4 * max(scale, 1e-3), (n, scale)
