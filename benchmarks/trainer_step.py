@@ -4,12 +4,15 @@ process, steps of the two modes alternating so that both see the same machine lo
 
     python benchmarks/trainer_step.py [--prompt-tokens 24] [--completion-tokens 5 12] [--groups 16] [--group-size 16]
                                       [--threads 1] [--steps 8] [--hidden 128 --layers 4 --intermediate 384]
+                                      [--compile]
 
 The batch: `groups` tasks x `group-size` completions, each task a prompt of `prompt-tokens` random tokens shared by its
 completions (the quick start's chat-formatted "Reverse: <5-10 letters>" is 21-26 tokens) and completions of a length
 drawn from `completion-tokens` (the quick start's are 6-11 tokens with the end-of-turn token). The model is the quick
 start's ~0.8M-parameter Qwen3 built in code (the defaults above). It prints seconds per step (median of `steps` after
-one warm-up step per mode), the tokens each mode's forward covers (padding included), and the ratios.
+one warm-up step per mode), the tokens each mode's forward covers (padding included), and the ratios. `--compile` then
+compiles the blocks (`trainer.compile`, in place, so after the other modes), reports the first step's time and
+measures `shared_prefix` again.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--intermediate", type=int, default=384)
+    ap.add_argument("--compile", action="store_true")
     args = ap.parse_args()
 
     from rlhpc import config as config_mod
@@ -113,18 +117,34 @@ def main() -> None:
             if i >= 2:  # one warm-up step per mode
                 times[mode].append(time.perf_counter() - t0)
         tokens = {m: forwarded_tokens(tr, batch, m) for m in modes}
+        first_compiled = None
+        if args.compile:
+            tr.cfg.trainer.packing, tr.cfg.trainer.compile = "shared_prefix", True
+            t0 = time.perf_counter()
+            tr.train_step(0, batch)
+            first_compiled = time.perf_counter() - t0
+            times["+compile"] = []
+            for i in range(args.steps):
+                t0 = time.perf_counter()
+                tr.train_step(i, batch)
+                times["+compile"].append(time.perf_counter() - t0)
+            tokens["+compile"] = tokens["shared_prefix"]
         params = sum(p.numel() for p in tr.model.parameters())
     real = int(batch.lengths.sum())
     print(f"{args.groups} groups x {args.group_size} completions, prompt {args.prompt_tokens} tokens, completions "
           f"{args.completion_tokens[0]}-{args.completion_tokens[1]}; {params / 1e6:.2f}M parameters, "
           f"{args.threads} thread(s); {real} sample tokens")
     print(f"{'packing':<15}{'s/step':>8}{'min':>8}{'max':>8}{'tokens forwarded':>18}")
-    for m in modes:
+    for m in times:
         t = times[m]
         print(f"{m:<15}{statistics.median(t):8.3f}{min(t):8.3f}{max(t):8.3f}{tokens[m]:>18}")
     ratio = statistics.median(times["shared_prefix"]) / statistics.median(times["padded"])
     print(f"shared_prefix / padded: {ratio:.2f}x the time, {tokens['shared_prefix'] / tokens['padded']:.2f}x the "
           f"tokens")
+    if first_compiled is not None:
+        ratio = statistics.median(times["+compile"]) / statistics.median(times["padded"])
+        print(f"shared_prefix+compile / padded: {ratio:.2f}x the time (the first compiled step took "
+              f"{first_compiled:.1f}s)")
 
 
 if __name__ == "__main__":

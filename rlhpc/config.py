@@ -169,6 +169,9 @@ class TrainerConfig:
     # on loss tokens. "padded": one right-padded row per sample (docs/trainer.md).
     packing: str = "shared_prefix"
     pack_row_tokens: int = 1024
+    # torch.compile each decoder block (shapes marked dynamic) on the first step: the first step takes longer (tens of
+    # seconds on CPU), later ones less (docs/trainer.md); a block that fails to compile runs eagerly.
+    compile: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     # Wrap the model with FSDP2 fully_shard (always on when num_ranks > 1). With FSDP2 the model is built on the meta
     # device and each rank loads only its shards (rlhpc/train/loading.py).

@@ -16,7 +16,7 @@ from rlhpc.config import Config
 from rlhpc.train.batching import (Packed, balance_ranks, pack, packed_logprobs, pad, plan_micro_batches, plan_rows,
                                   token_logprobs)
 from rlhpc.train.guard import BadSteps, nonfinite_advantages, nonfinite_groups, nonfinite_update
-from rlhpc.train.parallel import autocast
+from rlhpc.train.parallel import autocast, decoder_blocks
 from rlhpc.transport.queue import RolloutBatch
 
 
@@ -30,6 +30,20 @@ def packs(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
     return (getattr(config, "model_type", None) not in NO_CUSTOM_MASK
             and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager"))
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """torch.compile each decoder block in place, once (parameter names and the state dict are unchanged); what dynamo
+    cannot compile runs eagerly instead of failing the step."""
+    import torch._dynamo
+
+    blocks = decoder_blocks(model)
+    if getattr(blocks, "rlhpc_compiled", False):
+        return
+    torch._dynamo.config.suppress_errors = True
+    for block in blocks:
+        block.compile(dynamic=True)
+    blocks.rlhpc_compiled = True
 
 
 class Step:
@@ -57,6 +71,8 @@ class Step:
         total_tokens, total_samples = max(float(tokens[0]), 1.0), float(batch.num_samples)
 
         model.train()
+        if cfg.trainer.compile:
+            compile_blocks(model)
         optimizer.zero_grad(set_to_none=True)
         bad = nonfinite_advantages(batch)  # the same batch on every rank: all ranks skip together
         if bad is not None:
