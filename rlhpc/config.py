@@ -481,6 +481,9 @@ def validate(cfg: Config) -> None:
     need(cfg.trainer.num_ranks >= 1, "trainer.num_ranks", "must be >= 1")
     need(cfg.trainer.max_bad_steps >= 1, "trainer.max_bad_steps", "must be >= 1")
     need(cfg.trainer.pack_row_tokens >= 1, "trainer.pack_row_tokens", "must be >= 1")
+    need(not (cfg.trainer.compile and cfg.trainer.ep > 1), "trainer.compile",
+         "is not tested with expert parallelism (its all-to-all runs inside the blocks): set trainer.compile=false or "
+         "trainer.ep=1")
     _check_expert_parallel(cfg)
     need(not (cfg.trainer.param_dtype == "float32" and cfg.trainer.master_dtype == "bfloat16"),
          "trainer.param_dtype", "float32 compute over bfloat16 master weights gains nothing: set "

@@ -119,3 +119,47 @@ def test_the_glm5_preset_plans_fp8_and_prefill_decode_disaggregation_without_sub
     assert "KV connector: NixlConnector" in proc.stdout
     assert "16 rank(s)" in proc.stdout and "#SBATCH hetjob" in proc.stdout
     assert not (tmp_path / "run").exists()  # nothing submitted, nothing written
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["trainer.num_ranks=4", "trainer.ep=3"], "must divide trainer.num_ranks"),
+    (["trainer.num_ranks=2", "trainer.ep=2"], "needs a MoE model"),  # the default model is dense
+    (["model=tiny_qwen3_moe", "trainer.num_ranks=16", "trainer.ep=2", "trainer.groups_per_step=16"],
+     "8 routed experts must divide evenly"),
+    (["trainer.ep=0"], "must be >= 1"),
+])
+def test_expert_parallelism_that_cannot_work_is_refused_naming_trainer_ep(overrides, says):
+    cfg = composed("run_dir=/tmp/x", *overrides)
+    with pytest.raises(ConfigError, match=rf"trainer\.ep`: .*{says}"):
+        validate(cfg)
+
+
+def test_packing_and_compile_settings_that_cannot_work_are_refused():
+    with pytest.raises(ConfigError, match=r"trainer\.packing`: 'rows' is not one of shared_prefix, padded"):
+        validate(composed("run_dir=/tmp/x", "trainer.packing=rows"))
+    with pytest.raises(ConfigError, match=r"trainer\.compile`: is not tested with expert parallelism"):
+        validate(composed("run_dir=/tmp/x", "model=tiny_qwen3_moe", "trainer.num_ranks=2", "trainer.ep=2",
+                          "trainer.compile=true"))
+
+
+def test_expert_parallelism_over_the_ranks_of_a_moe_model_is_accepted():
+    validate(composed("run_dir=/tmp/x", "model=tiny_glm5", "trainer.num_ranks=4", "trainer.ep=2",
+                      "trainer.groups_per_step=16"))
+
+
+def test_the_memory_plan_gathers_only_a_ranks_share_of_the_routed_experts_with_expert_parallelism(tmp_path,
+                                                                                                   monkeypatch):
+    """GLM-5 on 16 ranks: one MoE block's 256 routed experts (9.7B parameters) are all-gathered on every rank without
+    expert parallelism; with trainer.ep=16 a rank gathers 16 of them and the rest of the block."""
+    from rlhpc.cluster.memory import plan
+
+    monkeypatch.setenv("RLHPC_MODEL_PATH", str(tmp_path / "glm5-checkpoint"))
+    rows = {}
+    for ep in (1, 16):
+        cfg = composed("+exp=glm5", "cluster=gpu_example", f"run_dir={tmp_path}/run", f"trainer.ep={ep}")
+        rows[ep] = {line.split("  ")[2].strip(): line for line in plan(cfg).lines if line.startswith("    ")}
+    assert "trainer mesh: dp_shard=1 x ep=16 x cp=1 = 16 rank(s)" in "\n".join(plan(cfg).lines)
+    assert "routed experts (1/16)" in rows[16] and "routed experts (1/16)" not in rows[1]
+    assert "FSDP root (embed, head, norm)" in rows[16]
+    gib = {ep: float(rows[ep]["FSDP unsharded block"].split()[3]) for ep in rows}
+    assert gib[16] < gib[1] / 10  # the block without its routed experts

@@ -156,7 +156,7 @@ def test_the_glm5_preset_on_80_gib_gpus_is_refused_naming_the_keys(tmp_path, mon
     assert launch(cfg) == 2
     out, err = capsys.readouterr()
     assert "trainer mesh: dp_shard=16 x ep=1 x cp=1 = 16 rank(s)" in out
-    assert "expert and context parallelism do not exist in rlhpc yet" in out
+    assert "trainer.ep spreads a MoE's routed experts; context parallelism does not exist in rlhpc yet" in out
     assert "inference mesh: 4 worker(s) x [1 prefill instance (tp=4) + 1 decode instance (tp=4)]" in out
     assert "743.91B parameters from the published glm5 shape" in out
     assert "FSDP unsharded block                73.6 GiB" in out

@@ -4,7 +4,9 @@ The launcher prints this with the plan (`dry_run=true`) and refuses a run that c
 (`MemoryPlan.refusal`), naming the keys to change. Everything here is arithmetic over the model's Hugging Face config;
 no model is built and no GPU is needed. The formulas (docs/scaling.md, "Memory per GPU, estimated"):
 
-trainer rank (one GPU each; FSDP2 over all `trainer.num_ranks`: dp_shard = num_ranks, ep = 1, cp = 1):
+trainer rank (one GPU each; FSDP2 over all `trainer.num_ranks`: dp_shard = num_ranks, ep = 1, cp = 1; with
+`trainer.ep` > 1 the routed experts R of the largest block leave its FSDP unit and a rank gathers R / ep of them,
+in the compute dtype with float32 gradients, instead of all R; routing is assumed balanced, so activations stay):
     model state  = P x master bytes x (1 parameters + 1 gradients + 2 AdamW moments) / dp_shard
     FSDP working = largest block x (2 x compute bytes + 4)     one block all-gathered, the next prefetched, and the
                                                                block's gradients reduce-scattered in float32
@@ -178,6 +180,13 @@ def mlp_params(hf, moe: bool) -> int:
     return E * 3 * H * inter + E * H + _get(hf, "n_shared_experts", default=0) * 3 * H * inter
 
 
+def routed_expert_params(hf, moe: bool) -> int:
+    """One block's routed experts (experts x 3 x H x expert size): what expert parallelism (trainer.ep) spreads."""
+    if not moe:
+        return 0
+    return num_experts(hf) * 3 * hf.hidden_size * _get(hf, "moe_intermediate_size", default=hf.intermediate_size)
+
+
 def count_parameters(hf) -> ParamCount:
     """The parameters of the model of a Hugging Face decoder config (qwen3, qwen3_moe, glm_moe_dsa, minimax_m2, and
     families shaped like them): embeddings (V x H), per block the attention, the MLP and two RMSNorms (2 x H), a final
@@ -323,12 +332,19 @@ def plan(cfg) -> MemoryPlan:
 
 def _meshes(cfg, out: MemoryPlan) -> List[Tuple[str, int, str]]:
     """The trainer's mesh (dp_shard x ep x cp = num_ranks) and the inference instances (name, tp, its config key)."""
-    ranks, inf = cfg.trainer.num_ranks, cfg.inference
-    mesh = {"dp_shard": ranks, "ep": 1, "cp": 1}
+    ranks, inf, ep = cfg.trainer.num_ranks, cfg.inference, cfg.trainer.ep
+    mesh = {"dp_shard": ranks // max(ep, 1), "ep": ep, "cp": 1}
     how = "FSDP2 over all ranks" if ranks > 1 or cfg.trainer.fsdp else "one process, no FSDP"
-    out.lines.append(f"  trainer mesh: dp_shard={ranks} x ep=1 x cp=1 = {math.prod(mesh.values())} rank(s), one GPU "
-                     f"each ({how}; expert and context parallelism do not exist in rlhpc yet)")
-    if math.prod(mesh.values()) != ranks:  # holds while ep = cp = 1; the check the mesh must keep when they come
+    if ep > 1:
+        out.lines.append(f"  trainer mesh: dp_shard={mesh['dp_shard']} x ep={ep} x cp=1 = {math.prod(mesh.values())} "
+                         f"rank(s), one GPU each (routed experts: each rank computes 1/{ep} of them, all-to-all over "
+                         f"{ep} ranks; every parameter stored over all {ranks} ranks; context parallelism does not "
+                         "exist in rlhpc yet)")
+    else:
+        out.lines.append(f"  trainer mesh: dp_shard={ranks} x ep=1 x cp=1 = {math.prod(mesh.values())} rank(s), one "
+                         f"GPU each ({how}; trainer.ep spreads a MoE's routed experts; context parallelism does not "
+                         "exist in rlhpc yet)")
+    if math.prod(mesh.values()) != ranks:  # config validation keeps ep | num_ranks; the check the mesh must keep
         out.problems.append(f"the trainer mesh {mesh} does not multiply to trainer.num_ranks={ranks}.")
         out.keys.append("trainer.num_ranks")
     pd = inf.disaggregation
@@ -352,10 +368,19 @@ def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> Non
     tokens = max(tr.micro_batch_tokens, cfg.inference.max_model_len)
     state = model_state_bytes(P, master, ranks)
     rows = [(k, v, f"{_params(P)} x {master} B{' x 2' if 'AdamW' in k else ''} / {ranks}") for k, v in state.items()]
-    if ranks > 1 or tr.fsdp:
+    if (ranks > 1 or tr.fsdp) and tr.ep > 1:  # the block's routed experts leave FSDP: E/ep of them are gathered
+        routed = max(routed_expert_params(hf, moe) for moe in moe_layers(hf))
+        block = max(b - routed_expert_params(hf, moe) for b, moe in zip(counts.blocks, moe_layers(hf)))
+        rows.append(("FSDP unsharded block", block * (2 * compute + 4),
+                     f"{_params(block)} without routed experts x ({compute} B + {compute} B prefetched + 4 B fp32 "
+                     "gradients)"))
+        rows.append((f"routed experts (1/{tr.ep})", routed // tr.ep * (compute + 4),
+                     f"{_params(routed)} / ep={tr.ep} x ({compute} B + 4 B fp32 gradients)"))
+    elif ranks > 1 or tr.fsdp:
         block = max(counts.blocks)
         rows.append(("FSDP unsharded block", block * (2 * compute + 4),
                      f"{_params(block)} x ({compute} B + {compute} B prefetched + 4 B fp32 gradients)"))
+    if ranks > 1 or tr.fsdp:
         rows.append(("FSDP root (embed, head, norm)", counts.root * compute, f"{_params(counts.root)} x {compute} B"))
     act = activation_bytes(hf, tokens, compute, tr.activation_checkpointing)
     on = "checkpointed" if tr.activation_checkpointing else "no checkpointing"
@@ -381,10 +406,10 @@ def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> Non
         how = f"about {math.ceil(P * master * 4 / (budget - fixed))} ranks would fit (trainer.num_ranks)"
     else:
         how = (f"no number of ranks fits: the unsharded block, the root, the activations and the head alone take "
-               f"{_gib(fixed)} (expert parallelism, which rlhpc does not have yet, would shard the experts)")
+               f"{_gib(fixed)} (expert parallelism, trainer.ep, gathers 1/ep of a block's routed experts)")
     out.problems.append(f"a trainer rank needs about {_gib(total)}, more than the GPU's {gpu_gb:g} GiB "
                         f"(cluster.gpu_memory_gb); {how}.")
-    out.keys += ["trainer.num_ranks", "trainer.activation_checkpointing", "trainer.micro_batch_tokens",
+    out.keys += ["trainer.num_ranks", "trainer.ep", "trainer.activation_checkpointing", "trainer.micro_batch_tokens",
                  "cluster.gpu_memory_gb"]
 
 

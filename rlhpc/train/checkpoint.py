@@ -19,7 +19,9 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 from rlhpc.rundir import read_json, write_json
 
@@ -70,11 +72,14 @@ def latest(root: Path) -> Optional[Path]:
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> Dict[str, Any]:
     """Loads into the (already wrapped) model and optimizer; returns the trainer state. Works on any number of ranks."""
     msd, osd = get_state_dict(model, optimizer)
-    state = {"model": msd, "optim": osd}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        dcp.load({"model": msd}, checkpoint_id=str(path))  # strict: every weight must be in the checkpoint
+        # Not strict for the optimizer: a parameter that never got a gradient (GLM-5's DSA indexer, which
+        # transformers runs without autograd) has no AdamW state to save; it keeps the empty state made here.
+        dcp.load({"optim": osd}, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_model_state_dict(model, msd)
+    set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(strict=False))
     trainer_state = read_json(path / "trainer.json")
     scheduler.load_state_dict(trainer_state.pop("scheduler"))
     rng_file = path / f"rng-{_rank()}.pt"

@@ -13,8 +13,11 @@ weight round away (docs/trainer.md, tests/test_mixed_precision.py).
 Activation checkpointing wraps each decoder block when asked.
 
 MoE models (Qwen3-MoE, GLM-5, MiniMax-M2, ...) shard the same way: transformers 5 keeps a layer's routed experts in
-two fused parameters, which belong to their block's FSDP unit, so a block's all-gather brings all of its experts (no
-expert parallelism). Parameters that get no gradient on any rank (GLM-5's DSA indexer, run without autograd by
+two fused parameters, which belong to their block's FSDP unit, so a block's all-gather brings all of its experts.
+With `trainer.ep` > 1 (expert parallelism, rlhpc/train/experts.py) the fused experts leave FSDP2: they are stored as
+dim-0 shards over the same 1-d world mesh, each rank computes E/ep experts and tokens travel to them by all-to-all;
+everything else stays FSDP2 over all ranks. One mesh for every parameter keeps gradient clipping and DCP checkpoints
+as they are. Parameters that get no gradient on any rank (GLM-5's DSA indexer, run without autograd by
 transformers) are simply left out of the reduce-scatter.
 """
 
@@ -68,8 +71,19 @@ def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def apply_fsdp(model: torch.nn.Module, cfg: TrainerConfig, device: torch.device) -> torch.nn.Module:
-    """Shards `model` in place (also on the meta device, before any memory exists: rlhpc/train/loading.py)."""
+    """Shards `model` in place (also on the meta device, before any memory exists: rlhpc/train/loading.py); with
+    `trainer.ep` > 1 its routed experts are spread over the ranks first. Collective."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    ignored = set()
+    if cfg.ep > 1:
+        from rlhpc.train.experts import shard_experts
+
+        ignored = set(shard_experts(model, cfg.ep, mesh, compute_dtype(cfg, device)))
     mp = mixed_precision(cfg, device)
+    kw = dict(mesh=mesh, ignored_params=ignored or None, **({"mp_policy": mp} if mp else {}))
     blocks = decoder_blocks(model)
     if cfg.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -77,6 +91,6 @@ def apply_fsdp(model: torch.nn.Module, cfg: TrainerConfig, device: torch.device)
         for i, block in enumerate(blocks):
             blocks[i] = checkpoint_wrapper(block)
     for block in blocks:
-        fully_shard(block, mp_policy=mp) if mp else fully_shard(block)
-    fully_shard(model, mp_policy=mp) if mp else fully_shard(model)
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
     return model

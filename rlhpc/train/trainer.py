@@ -30,6 +30,7 @@ from rlhpc.stop import Stop, stop_requested
 from rlhpc.train import checkpoint, publish
 from rlhpc.train.claims import Claims
 from rlhpc.train.evaluation import Curve, discard_after, read_curve, result_path
+from rlhpc.train.experts import RouterStats
 from rlhpc.train.guard import BadSteps
 from rlhpc.train.loading import build_sharded
 from rlhpc.train.optim import make_optimizer
@@ -74,6 +75,8 @@ class Trainer:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR
         self.reference: Optional[torch.nn.Module] = None
         self.tokenizer: Any
+        # MoE models: tokens routed to each expert, counted during the step's forwards (rlhpc/train/experts.py).
+        self.router_stats: Optional[RouterStats] = None
 
     # ---- the main loop -------------------------------------------------------------------------------------------
 
@@ -207,6 +210,7 @@ class Trainer:
         With `load_weights=False` the policy's parameters are left for a DCP checkpoint to fill."""
         cfg = self.cfg
         self.model = self.build_model(load_weights)
+        self.router_stats = RouterStats(self.model)
         self.optimizer = make_optimizer(self.model.parameters(), cfg.trainer.optim)
         # The frozen policy RL starts from, for a KL penalty against it (algo.ref_kl_coef).
         self.reference = None
@@ -237,14 +241,19 @@ class Trainer:
             apply_fsdp(model, self.cfg.trainer, self.device)
         elif self.cfg.trainer.activation_checkpointing:
             model.gradient_checkpointing_enable()
+        self.router_stats = RouterStats(model)
         return model
 
     # ---- the step and the weights out, on this trainer's model ------------------------------------------------------
 
     def train_step(self, step: int, batch: RolloutBatch) -> Dict[str, float]:
-        """One optimizer step on this rank's share of `batch` (rlhpc/train/step.py); its statistics."""
-        return self.stepper(step, batch, self.model, self.optimizer, self.scheduler, self.reference,
-                            self.tokenizer.pad_token_id)
+        """One optimizer step on this rank's share of `batch` (rlhpc/train/step.py); its statistics, with the MoE
+        router's (tokens per expert over all ranks) for a MoE model. Collective with FSDP."""
+        stats = self.stepper(step, batch, self.model, self.optimizer, self.scheduler, self.reference,
+                             self.tokenizer.pad_token_id)
+        if self.router_stats is not None:
+            stats.update(self.router_stats.collect())
+        return stats
 
     def publish(self, version: int) -> None:
         """The weights as `version` to the workers. Collective with FSDP."""
