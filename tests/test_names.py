@@ -111,7 +111,8 @@ def test_blocks_wrapped_for_activation_checkpointing_stream_under_the_same_names
 
     model_dir = models.build(ModelConfig(arch="qwen3_moe", extra=ARCHS["qwen3_moe"], **SIZES), tmp_path / "m")
     model = models.load_model(model_dir)
-    for i, block in enumerate(model.model.layers):  # what apply_fsdp does with trainer.activation_checkpointing
+    # Blocks wrapped by torch's checkpoint_wrapper (how apply_fsdp checkpointed before it used transformers' own).
+    for i, block in enumerate(model.model.layers):
         model.model.layers[i] = checkpoint_wrapper(block)
     streamed = [name for name, _ in trainer_of(model, tmp_path / "run").full_state()]
     assert sorted(streamed) == sorted(load_file(str(model_dir / "model.safetensors")))

@@ -137,6 +137,22 @@ def test_packing_a_groups_samples_behind_their_prompt_changes_nothing(run_root):
         assert torch.allclose(grads_rows[name], g, atol=1e-6, rtol=1e-4), name
 
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", ["shared_prefix", "padded"])
+def test_activation_checkpointing_changes_neither_loss_nor_gradients(run_root, packing):
+    # The recompute in backward must see what the forward saw (the mask, the positions, no KV cache filled twice), on
+    # one rank (transformers' checkpointing) and under FSDP2; the gradients keep their Hugging Face names.
+    base = {"packing": packing, "micro_batch_tokens": 64}
+    _, loss, grads = run_ranks(run_root, 1, {"trainer": base})
+    _, loss_1, grads_1 = run_ranks(run_root, 1, {"trainer": {**base, "activation_checkpointing": True}})
+    _, loss_2, grads_2 = run_ranks(run_root, 2, {"trainer": {**base, "activation_checkpointing": True}})
+    assert abs(loss - loss_1) < 1e-5 and abs(loss - loss_2) < 1e-5
+    assert grads_1.keys() == grads.keys() and grads_2.keys() == grads.keys()
+    for name, g in grads.items():
+        assert torch.allclose(grads_1[name], g, atol=1e-6, rtol=1e-4), name
+        assert torch.allclose(grads_2[name], g, atol=1e-6, rtol=1e-4), name
+
 def _one_step_grads(root, overrides):
     torch.manual_seed(0)
     tr = _trainer(root, 0, 1, 0, overrides)

@@ -172,7 +172,7 @@ def token_logprobs(
     recomputes a chunk's logits in the backward pass (ChunkedLogprobHead). 0 computes the full logits."""
     head = model.get_output_embeddings() if chunk_tokens > 0 and _plain_head(model) else None
     if head is None:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
         if temperature != 1.0:
             logits = logits / temperature
         logp = torch.log_softmax(logits, dim=-1)
@@ -186,7 +186,7 @@ def token_logprobs(
     head.logprob_request = _Request(input_ids[:, 1:], temperature, chunk_tokens, with_entropy)
     try:
         # Through the model's own forward, so that FSDP2 has the head's parameters unsharded while it runs.
-        out = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, L-1, 2]: logprob, entropy
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, L-1, 2]
     finally:
         head.logprob_request = None
     return out[..., 0], (out[..., 1].detach() if with_entropy else None)
@@ -200,7 +200,7 @@ def packed_logprobs(model: torch.nn.Module, packed: Packed, temperature: float =
     if getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":  # eager attention adds its mask
         mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
             ~mask, torch.finfo(torch.float32).min)
-    inputs = dict(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids)
+    inputs = dict(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids, use_cache=False)
     head = model.get_output_embeddings() if chunk_tokens > 0 and _plain_head(model) else None
     if head is None:
         logits = model(**inputs).logits

@@ -10,7 +10,8 @@ Dtypes (config `trainer.param_dtype`, `trainer.master_dtype`):
 Both float32 is exact (no cast anywhere); both bfloat16 is pure bf16 training, where updates much smaller than a
 weight round away (docs/trainer.md, tests/test_mixed_precision.py).
 
-Activation checkpointing wraps each decoder block when asked.
+Activation checkpointing recomputes each decoder block in backward when asked, with or without FSDP, through
+transformers' own checkpointing (`enable_activation_checkpointing`).
 
 MoE models (Qwen3-MoE, GLM-5, MiniMax-M2, ...) shard the same way: transformers 5 keeps a layer's routed experts in
 two fused parameters, which belong to their block's FSDP unit, so a block's all-gather brings all of its experts.
@@ -70,6 +71,14 @@ def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Each decoder block recomputes its forward in backward (non-reentrant `torch.utils.checkpoint`). transformers'
+    checkpointing, not torch's `checkpoint_wrapper`: its blocks then drop the KV cache the model makes for a forward
+    (config `use_cache`), which the recompute would otherwise fill a second time (keys twice the mask's width), and
+    the parameter names stay Hugging Face's. Before `fully_shard`: FSDP2 unshards a block for its recompute."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def apply_fsdp(model: torch.nn.Module, cfg: TrainerConfig, device: torch.device) -> torch.nn.Module:
     """Shards `model` in place (also on the meta device, before any memory exists: rlhpc/train/loading.py); with
     `trainer.ep` > 1 its routed experts are spread over the ranks first. Collective."""
@@ -84,13 +93,9 @@ def apply_fsdp(model: torch.nn.Module, cfg: TrainerConfig, device: torch.device)
         ignored = set(shard_experts(model, cfg.ep, mesh, compute_dtype(cfg, device)))
     mp = mixed_precision(cfg, device)
     kw = dict(mesh=mesh, ignored_params=ignored or None, **({"mp_policy": mp} if mp else {}))
-    blocks = decoder_blocks(model)
     if cfg.activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        for i, block in enumerate(blocks):
-            blocks[i] = checkpoint_wrapper(block)
-    for block in blocks:
+        enable_activation_checkpointing(model)
+    for block in decoder_blocks(model):
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model

@@ -34,6 +34,7 @@ from rlhpc.train.experts import RouterStats
 from rlhpc.train.guard import BadSteps
 from rlhpc.train.loading import build_sharded
 from rlhpc.train.optim import make_optimizer
+from rlhpc.train.parallel import enable_activation_checkpointing
 from rlhpc.train.publish import Publisher
 from rlhpc.train.step import Step
 from rlhpc.train.warmstart import start_model
@@ -229,7 +230,7 @@ class Trainer:
             return build_sharded(self.run.model, tcfg, self.device, load_weights=load_weights)
         model = models.load_model(self.run.model, tcfg.master_dtype).to(self.device)
         if tcfg.activation_checkpointing:
-            model.gradient_checkpointing_enable()
+            enable_activation_checkpointing(model)
         return model
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -240,7 +241,7 @@ class Trainer:
 
             apply_fsdp(model, self.cfg.trainer, self.device)
         elif self.cfg.trainer.activation_checkpointing:
-            model.gradient_checkpointing_enable()
+            enable_activation_checkpointing(model)
         self.router_stats = RouterStats(model)
         return model
 
