@@ -15,7 +15,7 @@ from rlhpc import models
 from rlhpc.config import ModelConfig
 from rlhpc.rundir import RunDir
 from test_moe import IDS, preset
-from test_trainer_math import _trainer, free_port, make_batch
+from test_trainer_math import _trainer, first_report, free_port, make_batch
 
 TINY_MINIMAX_M2 = ModelConfig(name="tiny_minimax_m2", arch="minimax_m2", hidden_size=128, intermediate_size=128,
                               num_layers=2, num_heads=4, num_kv_heads=2,
@@ -104,18 +104,8 @@ def _worker(roots, rank, world, ep, ports, queue):
 def on_ranks(roots, world, ep):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["rlhpc.train.trainer", "test_trainer_math"])
-    queue = ctx.Queue()
     ports = [free_port() for _ in roots]
-    procs = [ctx.Process(target=_worker, args=(roots, r, world, ep, ports, queue), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        status, results = queue.get(timeout=300)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    status, results = first_report(ctx, _worker, lambda r, out: (roots, r, world, ep, ports, out), world, timeout=300)
     assert status == "ok", results
     return results
 

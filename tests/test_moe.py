@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from rlhpc import models
 from rlhpc.config import ModelConfig
 from rlhpc.rundir import RunDir
-from test_trainer_math import _trainer, free_port, make_batch
+from test_trainer_math import _trainer, first_report, free_port, make_batch
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 PRESETS = ["tiny_qwen3_moe", "tiny_glm5", "tiny_qwen3"]  # the Hydra presets, as a user gets them
@@ -68,18 +68,8 @@ def on_two_ranks(roots):
     # Forked from a server that imported the trainer once: each rank starts in well under a second.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["rlhpc.train.trainer", "test_trainer_math"])
-    out = ctx.Queue()
     ports = [free_port() for _ in roots]
-    procs = [ctx.Process(target=_worker, args=(roots, r, 2, ports, out), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        status, results = out.get(timeout=240)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    status, results = first_report(ctx, _worker, lambda r, out: (roots, r, 2, ports, out), 2)
     assert status == "ok", results
     return results
 

@@ -87,20 +87,25 @@ def _grads_worker(root, rank, world, port, overrides, out):
         out.put(("error", traceback.format_exc(), None))
 
 
-def run_ranks(root, world, overrides, target=_grads_worker):
-    out = CTX.Queue()
-    port = free_port()
-    procs = [CTX.Process(target=target, args=(str(root), r, world, port, overrides, out), daemon=True)
-             for r in range(world)]
+def first_report(ctx, target, args, world: int, timeout: float = 240):
+    """Starts `world` rank processes, `target(*args(rank, queue))`, and returns the first thing one puts on the queue
+    (rank 0's result, or an error); every process is ended, killed if it does not exit."""
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=args(r, out), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     try:
-        result = out.get(timeout=240)
+        return out.get(timeout=timeout)
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
+
+
+def run_ranks(root, world, overrides, target=_grads_worker):
+    port = free_port()
+    result = first_report(CTX, target, lambda r, out: (str(root), r, world, port, overrides, out), world)
     assert result[0] == "ok", result[1]
     status, loss, arrays = result
     return status, loss, {n: torch.from_numpy(a) for n, a in arrays.items()}

@@ -172,16 +172,8 @@ def token_logprobs(
     recomputes a chunk's logits in the backward pass (ChunkedLogprobHead). 0 computes the full logits."""
     head = model.get_output_embeddings() if chunk_tokens > 0 and _plain_head(model) else None
     if head is None:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp = torch.log_softmax(logits, dim=-1)
-        out = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-        entropy = None
-        if with_entropy:
-            with torch.no_grad():
-                entropy = -(logp.exp() * logp).sum(-1)
-        return out, entropy
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+        return _target_logprobs(logits, input_ids[:, 1:], temperature, with_entropy)
     ChunkedLogprobHead.install(head)
     head.logprob_request = _Request(input_ids[:, 1:], temperature, chunk_tokens, with_entropy)
     try:
@@ -204,16 +196,8 @@ def packed_logprobs(model: torch.nn.Module, packed: Packed, temperature: float =
     head = model.get_output_embeddings() if chunk_tokens > 0 and _plain_head(model) else None
     if head is None:
         logits = model(**inputs).logits
-        logits = logits.reshape(-1, logits.shape[-1])[packed.predictors].float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp = torch.log_softmax(logits, dim=-1)
-        out = logp.gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1)
-        entropy = None
-        if with_entropy:
-            with torch.no_grad():
-                entropy = -(logp.exp() * logp).sum(-1)
-        return out, entropy
+        return _target_logprobs(logits.reshape(-1, logits.shape[-1])[packed.predictors], packed.targets, temperature,
+                                with_entropy)
     ChunkedLogprobHead.install(head)
     head.logprob_request = _Request(packed.targets, temperature, chunk_tokens, with_entropy, packed.predictors)
     try:
@@ -221,6 +205,21 @@ def packed_logprobs(model: torch.nn.Module, packed: Packed, temperature: float =
     finally:
         head.logprob_request = None
     return out[0, :, 0], (out[0, :, 1].detach() if with_entropy else None)
+
+
+def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The full-logits path: logprob of `targets` under softmax(logits / temperature), and the entropy (no gradient)."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    out = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp.exp() * logp).sum(-1)
+    return out, entropy
 
 
 @dataclass

@@ -98,7 +98,7 @@ class Step:
             inf_lp, _ = pad([batch.logprobs[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()], 0)
             sel = masks[:, 1:].bool().to(self.device)
             row = torch.arange(len(samples), device=self.device).unsqueeze(1).expand_as(sel)[sel]
-            logprobs = self.logprobs(model, rows, samples, sequences, loss_masks, pad_id)
+            logprobs = self.logprobs(rows, samples, sequences, loss_masks, sel, pad_id)
             with autocast(cfg.trainer, self.device, model):  # one rank, mixed precision: the forward only
                 logp, entropy = logprobs(model, with_entropy=True)
             inputs = LossInputs(
@@ -165,9 +165,9 @@ class Step:
         sizes = torch.tensor([r.length(sequences) for r in rows], dtype=torch.long)
         return [[rows[k] for k in mb.tolist()] for mb in plan_micro_batches(sizes, budget)]
 
-    def logprobs(self, model, rows, samples, sequences, loss_masks, pad_id):
+    def logprobs(self, rows, samples, sequences, loss_masks, sel, pad_id):
         """`f(model, with_entropy=False)`: the micro-batch's loss-token logprobs [N] (and entropies) under `model`,
-        in the order of `mask[:, 1:][mask]` over its samples."""
+        in the order of `sel` ([samples, L-1], the loss tokens after the first position)."""
         chunk, temperature = self.cfg.trainer.logprob_chunk_tokens, self.cfg.algo.temperature
         if rows is not None:
             packed = pack(rows, sequences, {i: loss_masks[i][1:] for i in samples.tolist()}, pad_id)
@@ -176,7 +176,6 @@ class Step:
             return lambda m, with_entropy=False: packed_logprobs(m, packed, temperature, with_entropy, chunk)
         ids, attn = pad([sequences[i] for i in samples.tolist()], pad_id)
         ids, attn = ids.to(self.device), attn.to(self.device)
-        sel = pad([loss_masks[i] for i in samples.tolist()], 0)[0][:, 1:].bool().to(self.device)
 
         def padded(m, with_entropy=False):
             logp, entropy = token_logprobs(m, ids, attn, temperature, with_entropy=with_entropy, chunk_tokens=chunk)
