@@ -123,6 +123,11 @@ class AlgoConfig:
     ref_kl_coef: float = 0.0
     # Weight of the squared log-ratio to the inference policy, 0.5 * (log pi - log mu)^2, per token (0: off).
     inference_kl_coef: float = 0.0
+    # MoE router load balancing: weight of transformers' Switch-Transformer auxiliary loss (the model config's
+    # `router_aux_loss_coef`, e.g. 0.001 for Qwen3-MoE) in the RL loss, over the whole step's loss tokens on all ranks
+    # (rlhpc/train/experts.py RouterBalance; costs one extra no-grad forward of the step). 0: off, as most RL of MoE
+    # models runs; GLM-5 balances its experts without such a loss and refuses it.
+    router_aux_loss_coef: float = 0.0
     # Extra keyword arguments of a user-supplied loss.
     args: Dict[str, Any] = field(default_factory=dict)
 
@@ -477,6 +482,10 @@ def validate(cfg: Config) -> None:
     need(cfg.async_level >= 0, "async_level", "must be >= 0")
     need(cfg.algo.group_size >= 2, "algo.group_size", "needs at least 2 completions per task for a group baseline")
     need(cfg.algo.temperature > 0, "algo.temperature", "must be > 0 for sampling")
+    need(cfg.algo.router_aux_loss_coef >= 0, "algo.router_aux_loss_coef", "must be >= 0 (0: off)")
+    need(not (cfg.trainer.compile and cfg.algo.router_aux_loss_coef > 0), "trainer.compile",
+         "is not tested with the router's load-balancing term (its hooks read the routers inside the compiled "
+         "blocks): set trainer.compile=false or algo.router_aux_loss_coef=0")
     need(cfg.trainer.steps >= 0, "trainer.steps", "must be >= 0")
     need(cfg.trainer.num_ranks >= 1, "trainer.num_ranks", "must be >= 1")
     need(cfg.trainer.max_bad_steps >= 1, "trainer.max_bad_steps", "must be >= 1")

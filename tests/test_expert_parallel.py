@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlhpc import models
-from rlhpc.config import ModelConfig
+from rlhpc.config import ConfigError, ModelConfig
 from rlhpc.rundir import RunDir
 from test_moe import IDS, preset
 from test_trainer_math import _trainer, first_report, free_port, make_batch
@@ -36,6 +36,7 @@ MODELS = {"tiny_qwen3_moe": lambda: preset("tiny_qwen3_moe"), "tiny_glm5": tiny_
           "tiny_minimax_m2": lambda: TINY_MINIMAX_M2}
 LAYOUTS = [(2, 2), (4, 4), (4, 2)]  # (ranks, ep)
 TOL = 1e-5
+AUX_COEF = 0.5  # large, so that the term moves the router's gradients well above rounding
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -73,12 +74,14 @@ def _run(root: Path, rank: int, world: int, ep: int, port: int) -> dict:
     out["loss"] = stats["loss/total"]
     out["router"] = {k: v for k, v in stats.items() if k.startswith("moe/")}
     out["grads"] = {n: _numpy(p.grad) for n, p in tr.model.named_parameters() if p.grad is not None}
-    if getattr(tr.model.config, "router_aux_loss_coef", 0):  # the same tokens on every rank: the 1-rank gradient
-        tr.optimizer.zero_grad(set_to_none=True)
-        res = tr.model(input_ids=IDS, labels=IDS, output_router_logits=True)
-        res.loss.backward()
-        out["aux"] = {"loss": float(res.loss.detach()), "aux_loss": float(res.aux_loss.detach()),
+    tr.cfg.algo.router_aux_loss_coef = AUX_COEF  # the same step with the router's load-balancing term in the loss
+    try:
+        stats = tr.train_step(0, make_batch(len(tr.tokenizer)))
+        out["aux"] = {"loss": stats["loss/total"], "aux_loss": stats["loss/router_aux"],
                       "grads": {n: _numpy(p.grad) for n, p in tr.model.named_parameters() if p.grad is not None}}
+    except ConfigError as e:  # raised on every rank before any collective
+        out["aux"] = {"refused": str(e)}
+    tr.cfg.algo.router_aux_loss_coef = 0.0
     del tr.optimizer.step  # a real step this time
     tr.train_step(0, make_batch(len(tr.tokenizer)))
     out["stepped"] = _stream(tr)
@@ -158,13 +161,22 @@ def test_a_step_with_experts_over_ranks_has_the_loss_and_gradients_of_one_rank(r
 
 @pytest.mark.parametrize("world,ep", LAYOUTS)
 @pytest.mark.parametrize("name", ["tiny_qwen3_moe", "tiny_minimax_m2"])
-def test_the_routers_load_balancing_loss_has_the_gradients_of_one_rank(runs, name, world, ep):
+def test_the_routers_load_balancing_term_in_the_rl_loss_has_the_loss_and_gradients_of_one_rank(runs, name, world, ep):
+    """algo.router_aux_loss_coef: the step's term over all ranks and micro-batches (1 rank: one micro-batch; more
+    ranks: several each) equals one pass over the whole step, and it does move the routers."""
     one, many = runs[(1, 1)][name]["aux"], runs[(world, ep)][name]["aux"]
-    assert one["aux_loss"] > 0 and abs(one["aux_loss"] - many["aux_loss"]) < TOL
+    assert one["aux_loss"] > AUX_COEF * 0.5 and abs(one["aux_loss"] - many["aux_loss"]) < TOL
     assert abs(one["loss"] - many["loss"]) < TOL
     assert _max_diff(one["grads"], many["grads"]) < TOL
-    router = [g for p, g in one["grads"].items() if p.endswith("mlp.gate.weight")]
-    assert router and all(np.abs(g).max() > 0 for g in router)
+    without = runs[(1, 1)][name]["grads"]
+    router = [p for p in one["grads"] if p.endswith("mlp.gate.weight")]
+    assert router and all(np.abs(one["grads"][p] - without[p]).max() > 1e-4 for p in router)
+
+
+@pytest.mark.parametrize("world,ep", [(1, 1)] + LAYOUTS)
+def test_glm5_refuses_a_load_balancing_term_it_was_not_trained_with(runs, world, ep):
+    refused = runs[(world, ep)]["tiny_glm5"]["aux"]["refused"]
+    assert "algo.router_aux_loss_coef" in refused and "glm_moe_dsa" in refused
 
 
 @pytest.mark.parametrize("world,ep", LAYOUTS)
@@ -201,3 +213,53 @@ def test_the_model_built_sharded_reads_the_checkpoint_and_gives_one_ranks_logits
     assert many["built_stream"].keys() == saved.keys()  # Hugging Face per-expert names, every tensor
     assert all(np.array_equal(many["built_stream"][k], saved[k]) for k in saved)
     assert np.abs(many["built_logits"] - one["built_logits"]).max() < TOL
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_moe_aux")
+    RunDir(root).make()
+    models.build(preset("tiny_qwen3_moe"), root / "model")
+    return root
+
+
+def test_the_load_balancing_term_is_transformers_loss_over_the_chosen_positions(qwen3_moe_root):
+    """RouterBalance's count and term over some positions of a forward equal transformers' load_balancing_loss_func
+    with an attention mask that keeps those positions: value and router gradients."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from rlhpc.train.experts import RouterBalance
+
+    model = models.load_model(qwen3_moe_root / "model")
+    keep = torch.rand(IDS.shape, generator=torch.Generator().manual_seed(0)) < 0.6
+    positions = torch.nonzero(keep.reshape(-1)).flatten()
+    balance = RouterBalance(model, coef=1.0)
+    with balance.capture() as logits:
+        model(input_ids=IDS)
+    ours = balance.term(logits, positions, balance.count(logits, positions), float(positions.numel() * len(logits)))
+    ours.backward()
+    ours_grads = {n: p.grad.clone() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
+    model.zero_grad(set_to_none=True)
+    theirs = load_balancing_loss_func(tuple(model(input_ids=IDS, output_router_logits=True).router_logits),
+                                      model.config.num_experts, model.config.num_experts_per_tok, keep.long())
+    theirs.backward()
+    assert float(theirs.detach()) > 0 and abs(float(ours.detach()) - float(theirs.detach())) < 1e-6
+    assert ours_grads and all(torch.allclose(g, dict(model.named_parameters())[n].grad, atol=1e-7)
+                              for n, g in ours_grads.items())
+
+
+def test_the_load_balancing_term_is_the_same_packed_and_padded(qwen3_moe_root):
+    """Packed rows hold a group's prompt once; the term counts each sample's positions as a padded batch does."""
+    out = {}
+    for packing in ("padded", "shared_prefix"):
+        torch.manual_seed(0)
+        tr = _trainer(qwen3_moe_root, 0, 1, 0, {"algo": {"router_aux_loss_coef": AUX_COEF},
+                                                  "trainer": {"packing": packing, "micro_batch_tokens": 128}})
+        tr.optimizer.step = lambda *a, **k: None
+        stats = tr.train_step(0, make_batch(len(tr.tokenizer)))
+        out[packing] = stats, {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None}
+    (padded, g_padded), (packed, g_packed) = out["padded"], out["shared_prefix"]
+    assert padded["loss/router_aux"] > 0 and abs(padded["loss/router_aux"] - packed["loss/router_aux"]) < 1e-6
+    assert abs(padded["loss/total"] - packed["loss/total"]) < 1e-5
+    assert g_padded.keys() == g_packed.keys()
+    assert max(float((g_padded[n] - g_packed[n]).abs().max()) for n in g_padded) < 1e-5

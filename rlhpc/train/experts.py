@@ -20,6 +20,8 @@ indices; the router's top-k weights multiply each row on the rank that owns the 
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -194,7 +196,7 @@ def shard_experts(model: nn.Module, ep: int, mesh, compute_dtype: torch.dtype) -
 
 class RouterStats:
     """Routed (token, expert) assignments per layer and expert, counted as the experts modules are called (padding
-    included, every forward of the policy); `collect` sums them over ranks. Dispatch is dropless, so the drop
+    included, every training forward of the policy); `collect` sums them over ranks. Dispatch is dropless, so the drop
     count is always 0."""
 
     def __init__(self, model: nn.Module):
@@ -207,6 +209,8 @@ class RouterStats:
 
     def _hook(self, name: str, num_experts: int):
         def count(module, args, kwargs):
+            if not torch.is_grad_enabled():  # a no-grad pass (the router balance's count) is not a training forward
+                return
             index = args[1] if len(args) > 1 else kwargs["top_k_index"]
             with torch.no_grad():
                 c = torch.bincount(index.reshape(-1), minlength=num_experts)  # stays on the device
@@ -234,3 +238,72 @@ class RouterStats:
             "moe/unused_experts": float((table == 0).sum()),
             "moe/dropped_tokens": 0.0,
         }
+
+
+class RouterBalance:
+    """The router's load-balancing term in the RL loss (`algo.router_aux_loss_coef`): transformers' Switch-Transformer
+    loss `load_balancing_loss_func`, E x sum_e f_e P_e, with f_e the fraction of (token, k) assignments routed to
+    expert e and P_e the mean router probability of e, both over every MoE layer and over the positions that predict
+    the step's loss tokens (each counted once per sample, as a padded batch holds them; packed rows share a prompt).
+
+    f_e carries no gradient, and it is a property of the whole step: `count` adds up the assignments in a no-grad pass
+    over the step's micro-batches before the first backward, and the ranks sum them. With those counts C_e and the
+    step's N rows (positions x layers, all ranks), each micro-batch adds
+
+        coef x E / N^2 x sum_e C_e x sum_{rows of the micro-batch} p_e
+
+    to its loss: a sum over micro-batches and ranks that equals the term of one pass over the whole step, so any
+    split (ranks, ep, micro-batches, packed or padded) gets the same loss and gradients. The extra pass costs about
+    one forward of the step. Routers are read by forward hooks on each MoE layer's `mlp.gate`, whose output starts with
+    the router logits [tokens, E]."""
+
+    def __init__(self, model: nn.Module, coef: float):
+        from rlhpc.config import ConfigError
+
+        self.model, self.coef = model, coef
+        self.top_k = int(getattr(model.config, "num_experts_per_tok", 0) or 0)
+        hf_class = next((c for c in type(model).__mro__ if c.__module__.startswith("transformers.models.")), None)
+        hf_module = sys.modules.get(hf_class.__module__) if hf_class is not None else None
+        gates = [m for name, m in model.named_modules()
+                 if name.endswith("mlp.gate") and isinstance(getattr(m, "weight", None), torch.Tensor)]
+        if not gates or not self.top_k or not hasattr(hf_module, "load_balancing_loss_func"):
+            raise ConfigError(
+                f"config key `algo.router_aux_loss_coef`: {coef} needs a MoE model trained with transformers' "
+                f"load-balancing loss (qwen3_moe, minimax_m2, ...); {getattr(model.config, 'model_type', '?')} has "
+                "none (GLM-5 balances its experts without one); set algo.router_aux_loss_coef=0")
+        self.logits: Optional[List[torch.Tensor]] = None
+        for gate in gates:
+            gate.register_forward_hook(self._keep)
+
+    def _keep(self, module, args, out) -> None:
+        if self.logits is not None:
+            self.logits.append(out[0] if isinstance(out, tuple) else out)
+
+    @contextmanager
+    def capture(self):
+        """The router logits of each MoE layer of the forwards run inside, in layer order."""
+        self.logits = []
+        try:
+            yield self.logits
+        finally:
+            self.logits = None
+
+    def _probs(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits.reshape(-1, logits.shape[-1])[positions].float(), dim=-1)
+
+    def count(self, logits: List[torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+        """Top-k assignments per expert [E] (float64) over `positions` (flat indices into the forward's tokens, repeats
+        counted) of every layer, as transformers' loss picks them: top-k of the softmax."""
+        counts = torch.zeros(logits[0].shape[-1], dtype=torch.float64, device=logits[0].device)
+        with torch.no_grad():
+            for layer in logits:
+                top = torch.topk(self._probs(layer, positions), self.top_k, dim=-1).indices
+                counts += torch.bincount(top.reshape(-1), minlength=counts.numel()).to(counts.dtype)
+        return counts
+
+    def term(self, logits: List[torch.Tensor], positions: torch.Tensor, counts: torch.Tensor,
+             rows: float) -> torch.Tensor:
+        """This micro-batch's share of the step's term, given the step's counts and rows (positions x layers)."""
+        probs = sum(self._probs(layer, positions).sum(dim=0) for layer in logits)
+        experts = counts.numel()
+        return self.coef * experts * (counts.to(probs.dtype) * probs).sum() / (rows * rows)

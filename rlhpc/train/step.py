@@ -5,7 +5,8 @@ the step's statistics reduced over ranks, so every rank reports and decides the 
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional
+from contextlib import contextmanager
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from rlhpc.algo.loss import LossInputs
 from rlhpc.config import Config
 from rlhpc.train.batching import (Packed, balance_ranks, pack, packed_logprobs, pad, plan_micro_batches, plan_rows,
                                   token_logprobs)
+from rlhpc.train.experts import RouterBalance
 from rlhpc.train.guard import BadSteps, nonfinite_advantages, nonfinite_groups, nonfinite_update
 from rlhpc.train.parallel import autocast, decoder_blocks
 from rlhpc.transport.queue import RolloutBatch
@@ -54,6 +56,7 @@ class Step:
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.bad_steps = bad_steps
         self.loss_fn = loss_mod.get(cfg.algo.name)
+        self.balance: Optional[RouterBalance] = None
 
     def __call__(self, step: int, batch: RolloutBatch, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler, reference: Optional[torch.nn.Module], pad_id: int) -> Dict[str, float]:
@@ -88,18 +91,15 @@ class Step:
             n = torch.tensor([len(plan)])
             dist.all_reduce(n, op=dist.ReduceOp.MAX)
             plan += [None] * (int(n) - len(plan))
+        balance = self.router_balance(model)
+        loads = self.router_loads(plan, model, balance, mine, batch, sequences, loss_masks, pad_id) if balance else None
         for mb in plan:
             if mb is None:
                 self.idle_pass(model, pad_id)
                 continue
-            rows = mb if isinstance(mb, list) else None  # packed rows, or sample positions within `mine`
-            samples = torch.tensor([i for r in rows for i in r.samples]) if rows is not None else mine[mb]
-            masks, _ = pad([loss_masks[i] for i in samples.tolist()], 0)
+            samples, sel, row, logprobs, positions = self.micro_batch(mb, mine, sequences, loss_masks, pad_id)
             inf_lp, _ = pad([batch.logprobs[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()], 0)
-            sel = masks[:, 1:].bool().to(self.device)
-            row = torch.arange(len(samples), device=self.device).unsqueeze(1).expand_as(sel)[sel]
-            logprobs = self.logprobs(rows, samples, sequences, loss_masks, sel, pad_id)
-            with autocast(cfg.trainer, self.device, model):  # one rank, mixed precision: the forward only
+            with autocast(cfg.trainer, self.device, model), self.capture(balance) as routers:  # the forward only
                 logp, entropy = logprobs(model, with_entropy=True)
             inputs = LossInputs(
                 logprobs=logp,
@@ -114,7 +114,12 @@ class Step:
             out = self.loss_fn(inputs, cfg.algo)
             weight = loss_mod.token_weights(inputs, cfg.algo.normalize, total_tokens, total_samples,
                                             cfg.env.max_new_tokens)
-            loss = (out.token_loss * weight).sum() * self.world  # FSDP averages gradients over ranks
+            loss = (out.token_loss * weight).sum()
+            if balance is not None:
+                aux = balance.term(routers, positions, *loads)
+                loss = loss + aux
+                sums["loss/router_aux"] = sums.get("loss/router_aux", 0.0) + float(aux.detach())
+            loss = loss * self.world  # FSDP averages gradients over ranks
             loss.backward()
             k = int(sel.sum())
             n_loss_tokens += k
@@ -139,10 +144,9 @@ class Step:
         else:  # drop the gradients; the weights stay those of version `step`
             optimizer.zero_grad(set_to_none=True)
             self.bad_steps.skipped(step, bad, nonfinite_groups(batch))
-        stats = {"loss/total": sums.get("loss/total", 0.0)}
-        for k_, v in sums.items():
-            if k_ != "loss/total":
-                stats[k_] = v / max(n_loss_tokens, 1)
+        totals = ("loss/total", "loss/router_aux")  # the step's sums; the other statistics are means per loss token
+        stats = {k_: v if k_ in totals else v / max(n_loss_tokens, 1) for k_, v in sums.items()}
+        stats.setdefault("loss/total", 0.0)
         dt = time.time() - t0
         stats.update({
             "grad_norm": float(grad_norm),
@@ -165,27 +169,83 @@ class Step:
         sizes = torch.tensor([r.length(sequences) for r in rows], dtype=torch.long)
         return [[rows[k] for k in mb.tolist()] for mb in plan_micro_batches(sizes, budget)]
 
+    def micro_batch(self, mb, mine: torch.Tensor, sequences, loss_masks, pad_id: int):
+        """A planned micro-batch's samples (indices into the step), its loss-token selection `sel` [samples, L-1] and
+        each selected token's sample (`row`), its logprobs function (`logprobs`) and the flat positions of the forward's
+        tokens that predict the selected tokens, in `sel`'s order (a packed row's prompt position once per sample)."""
+        rows = mb if isinstance(mb, list) else None  # packed rows, or sample positions within `mine`
+        samples = torch.tensor([i for r in rows for i in r.samples]) if rows is not None else mine[mb]
+        masks, _ = pad([loss_masks[i] for i in samples.tolist()], 0)
+        sel = masks[:, 1:].bool().to(self.device)
+        row = torch.arange(len(samples), device=self.device).unsqueeze(1).expand_as(sel)[sel]
+        logprobs, positions = self.logprobs(rows, samples, sequences, loss_masks, sel, pad_id)
+        return samples, sel, row, logprobs, positions
+
+    def router_balance(self, model: torch.nn.Module) -> Optional[RouterBalance]:
+        """The load-balancing term's hooks on `model` when `algo.router_aux_loss_coef` > 0 (made once per model)."""
+        if self.cfg.algo.router_aux_loss_coef <= 0:
+            return None
+        if self.balance is None or self.balance.model is not model:
+            self.balance = RouterBalance(model, self.cfg.algo.router_aux_loss_coef)
+        return self.balance
+
+    def router_loads(self, plan: list, model: torch.nn.Module, balance: RouterBalance, mine: torch.Tensor,
+                     batch: RolloutBatch, sequences, loss_masks, pad_id: int) -> Tuple[torch.Tensor, float]:
+        """The step's expert assignment counts [E] and rows (positions x MoE layers) over all ranks, from a no-grad
+        pass over this rank's micro-batches (the same number of forwards on every rank, like the step's)."""
+        counts, rows = 0, 0
+        nothing = torch.zeros(0, dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            for mb in plan:  # every rank has at least one entry, an idle pass if nothing else: it learns E from it
+                with balance.capture() as routers:
+                    if mb is None:
+                        self.idle_pass(model, pad_id, backward=False)
+                        positions = nothing
+                    else:
+                        _, _, _, logprobs, positions = self.micro_batch(mb, mine, sequences, loss_masks, pad_id)
+                        with autocast(self.cfg.trainer, self.device, model):
+                            logprobs(model)
+                counts = counts + balance.count(routers, positions)
+                rows += positions.numel() * len(routers)
+        total = torch.cat([counts, torch.tensor([float(rows)], dtype=torch.float64, device=self.device)])
+        if self.world > 1:
+            dist.all_reduce(total)
+        return total[:-1], max(float(total[-1]), 1.0)
+
+    @contextmanager
+    def capture(self, balance: Optional[RouterBalance]):
+        if balance is None:
+            yield None
+        else:
+            with balance.capture() as routers:
+                yield routers
+
     def logprobs(self, rows, samples, sequences, loss_masks, sel, pad_id):
         """`f(model, with_entropy=False)`: the micro-batch's loss-token logprobs [N] (and entropies) under `model`,
-        in the order of `sel` ([samples, L-1], the loss tokens after the first position)."""
+        in the order of `sel` ([samples, L-1], the loss tokens after the first position); and the flat positions of
+        the forward's tokens that predict them."""
         chunk, temperature = self.cfg.trainer.logprob_chunk_tokens, self.cfg.algo.temperature
         if rows is not None:
             packed = pack(rows, sequences, {i: loss_masks[i][1:] for i in samples.tolist()}, pad_id)
             packed = Packed(*(t.to(self.device) for t in (packed.input_ids, packed.position_ids,
                                                            packed.attention_mask, packed.predictors, packed.targets)))
-            return lambda m, with_entropy=False: packed_logprobs(m, packed, temperature, with_entropy, chunk)
+            return (lambda m, with_entropy=False: packed_logprobs(m, packed, temperature, with_entropy, chunk),
+                    packed.predictors)
         ids, attn = pad([sequences[i] for i in samples.tolist()], pad_id)
         ids, attn = ids.to(self.device), attn.to(self.device)
 
         def padded(m, with_entropy=False):
             logp, entropy = token_logprobs(m, ids, attn, temperature, with_entropy=with_entropy, chunk_tokens=chunk)
             return logp[sel], (entropy[sel] if entropy is not None else None)
-        return padded
+        # Position t of a sample predicts its token t + 1: sel's columns are positions 0 .. L-2 of each row.
+        return padded, torch.nonzero(torch.nn.functional.pad(sel, (0, 1)).reshape(-1)).flatten()
 
-    def idle_pass(self, model: torch.nn.Module, pad_id: int) -> None:
-        """A forward/backward that adds nothing to the gradients, for a rank with fewer micro-batches than others."""
+    def idle_pass(self, model: torch.nn.Module, pad_id: int, backward: bool = True) -> None:
+        """A forward (and backward) that adds nothing to the gradients, for a rank with fewer micro-batches than others:
+        FSDP's and expert parallelism's collectives pair up across ranks."""
         ids = torch.tensor([[pad_id, pad_id]], device=self.device)
         with autocast(self.cfg.trainer, self.device, model):
             logp, _ = token_logprobs(model, ids, torch.ones_like(ids),
                                      chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
-        (logp.sum() * 0.0).backward()
+        if backward:
+            (logp.sum() * 0.0).backward()
