@@ -244,3 +244,65 @@ def test_metadata_is_json_in_the_safetensors_header(tmp_path):
     header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     meta = json.loads(header["__metadata__"]["rlhpc"])
     assert meta["producer"] == "w3" and {g["version"] for g in meta["groups"]} == {7}
+
+
+def test_a_claim_of_several_files_holds_exactly_their_samples_in_order(tmp_path):
+    q = Queue(tmp_path)
+    published = [make_batch(num_groups=g, group_size=2 + g, completion_len=3 + g, tag=f"f{g}") for g in (1, 2, 3)]
+    for seq, b in enumerate(published):
+        q.publish(b, "w0", seq)
+    got = q.claim(0, num_groups=6, min_version=0, timeout_s=5).batch
+    want = RolloutBatch.concat(published)
+    for name in ("tokens", "offsets", "logprobs", "loss_mask", "advantages", "group_of"):
+        assert getattr(got, name).dtype == getattr(want, name).dtype, name
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert [g.uid for g in got.groups] == [g.uid for g in want.groups]
+
+
+def test_workers_read_the_last_whole_progress_while_the_trainer_rewrites_it(tmp_path):
+    q = Queue(tmp_path)
+    stop, seen = threading.Event(), []
+
+    def reader():
+        while not stop.is_set():
+            seen.append(Queue(tmp_path).progress())
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for i in range(1, 2000):
+        q.set_progress(claimed=i, version=i, claiming=i)
+    stop.set()
+    t.join(timeout=30)
+    before_any = {"claimed": 0, "version": 0}
+    assert seen and all(p == before_any or p["claimed"] == p["version"] == p["claiming"] for p in seen)
+    claimed = [p["claimed"] for p in seen]
+    assert claimed == sorted(claimed)  # never an older record after a newer one
+    assert Queue(tmp_path).progress() == {"claimed": 1999, "version": 1999, "claiming": 1999}
+
+
+def test_a_progress_record_garbled_by_a_crash_gives_way_to_the_one_before(tmp_path):
+    q = Queue(tmp_path)
+    q.set_progress(claimed=4, version=4)
+    q.set_progress(claimed=5, version=4, claiming=3)
+    path = tmp_path / "progress.json"
+    lines = path.read_bytes().splitlines(keepends=True)
+    newest = next(i for i, line in enumerate(lines) if b'"claimed": 5' in line)
+    lines[newest] = lines[newest].replace(b'"claiming": 3', b'"claiming": 9')  # half of a write, or a bit flip
+    path.write_bytes(b"".join(lines))
+    assert Queue(tmp_path).progress() == {"claimed": 4, "version": 4, "claiming": 0}
+    q.set_progress(claimed=6, version=5)  # the next write replaces the garbled record
+    assert Queue(tmp_path).progress() == {"claimed": 6, "version": 5, "claiming": 0}
+    path.write_bytes(b"\0" * 256)  # both slots lost
+    assert Queue(tmp_path).progress() == {"claimed": 0, "version": 0}
+
+
+def test_progress_is_rewritten_in_place_not_replaced(tmp_path, monkeypatch):
+    """A rename over an existing file makes ext4 flush the new file's data first: milliseconds on a busy disk."""
+    q = Queue(tmp_path)
+    q.set_progress(claimed=1, version=1)
+    renames = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda *a: (renames.append(a), real(*a))[1])
+    for i in range(10):
+        q.set_progress(claimed=2 + i, version=2 + i)
+    assert renames == [] and Queue(tmp_path).progress()["claimed"] == 11

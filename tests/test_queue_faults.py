@@ -144,13 +144,14 @@ def test_randomly_corrupted_files_never_make_the_reader_raise(tmp_path):
     for i, data in enumerate(mutations(valid, rng)):
         path = q.pending / f"m-{i:08d}{SUFFIX}"
         path.write_bytes(data)
-        b, quarantined = q._read_or_quarantine(path, max_version=5)
-        assert (b is None) == quarantined, i
-        outcomes["valid" if b is not None else "quarantined"] += 1
-        if b is not None:  # what passes is consistent enough to train on
-            assert b.offsets[-1] == b.tokens.numel() and len(b.groups) >= 1
-            assert bool(torch.isfinite(b.advantages).all()) and int(b.tokens.max()) < 1000
-            RolloutBatch.concat([b, b])
+        checked, quarantined = q._read_or_quarantine(path, max_version=5)
+        assert (checked is None) == quarantined, i
+        outcomes["valid" if checked is not None else "quarantined"] += 1
+        if checked is not None:  # what passes is consistent enough to train on, alone or with other files
+            for b in (RolloutBatch._of([checked]), RolloutBatch._of([checked, checked])):
+                assert b.offsets[-1] == b.tokens.numel() and len(b.groups) >= 1
+                assert bool(torch.isfinite(b.advantages).all()) and int(b.tokens.max()) < 1000
+                assert torch.bincount(b.group_of).tolist() == [g.num_samples for g in b.groups]
             path.unlink()
         else:
             assert not path.exists() and (q.quarantine / (path.name + ".reason")).exists()
