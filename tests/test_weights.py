@@ -125,3 +125,95 @@ def test_the_filesystem_transport_delivers_the_newest_snapshot(tmp_path, tiny_mo
     assert receiver.poll() is None
     sender.close()
     assert receiver.closed()
+
+
+def mixed_weights(version):
+    """Tensors of every kind a bucket plan meets, with 1 MiB buckets: runs of small fp32 tensors (packed, more buckets
+    than staging buffers), tensors of half a bucket and more (each a bucket of its own, sent from its own memory), one
+    of them not contiguous, and bf16 tensors after the fp32 ones."""
+    g = torch.Generator().manual_seed(1000 + version)
+    small = [(f"model.layers.{i}.input_layernorm.weight", torch.randn(96 * 1024, generator=g)) for i in range(24)]
+    big = [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(512, 768, generator=g)) for i in range(3)]
+    transposed = [("model.layers.0.mlp.down_proj.weight", torch.randn(768, 512, generator=g).t())]
+    half = [(f"model.layers.{i}.self_attn.q_norm.weight", torch.randn(200 * 1024, generator=g).to(torch.bfloat16))
+            for i in range(8)]
+    half_bucket = [("model.norm.weight", torch.randn(160 * 1024, generator=g))]  # 640 KiB: alone, though it fits
+    return small[:6] + half_bucket + small[6:12] + big + small[12:] + transposed + half
+
+
+def fingerprints(tensors):
+    """name -> (shape, dtype, sha256 of the bytes): equal only for bit-identical tensors."""
+    import hashlib
+
+    return {n: (tuple(t.shape), str(t.dtype), hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest())
+            for n, t in tensors}
+
+
+def _fingerprinting_receiver(run_root, rank, versions, out):
+    """Reports each update's fingerprints and where its tensors live (to see its buffers reused)."""
+    try:
+        recv = BroadcastReceiver(RunDir(run_root), rank, timeout_s=60, attempt="t")
+        got = 0
+        while got < versions:
+            update = recv.poll()
+            if update is None:
+                recv.wait(0.05)
+                continue
+            got += 1
+            out.put(("ok", rank, update.version, fingerprints(update.tensors),
+                     sorted({t.untyped_storage().data_ptr() for _, t in update.tensors})))
+        while not recv.closed():
+            recv.wait(0.05)
+            recv.poll()
+    except BaseException as e:  # noqa: BLE001
+        out.put(("error", rank, type(e).__name__, str(e), traceback.format_exc()))
+
+
+def test_overlapped_buckets_of_several_versions_arrive_bit_identical_into_reused_buffers(tmp_path):
+    run = RunDir(tmp_path).make()
+    out = CTX.Queue()
+    procs = [CTX.Process(target=_fingerprinting_receiver, args=(str(tmp_path), r, 4, out), daemon=True)
+             for r in (1, 2)]
+    for p in procs:
+        p.start()
+    sender = BroadcastSender(run, num_receivers=2, bucket_mb=1, timeout_s=60, attempt="t")
+    staging = None
+    for v in (1, 2, 3, 4):
+        sent = sender.publish(v, mixed_weights(v))
+        assert sent == sum(t.numel() * t.element_size() for _, t in mixed_weights(v))
+        reports = [out.get(timeout=120) for _ in procs]
+        for r in reports:
+            assert r[0] == "ok", r
+            assert r[2] == v
+            assert r[3] == fingerprints(mixed_weights(v))  # every tensor, under its name, bit for bit
+        if v == 1:
+            storages = {r[1]: set() for r in reports}
+        for r in reports:
+            storages[r[1]].add(tuple(r[4]))
+        if v > 1:  # the sender packs into the same staging buffers for every update
+            assert {k: b.data_ptr() for k, b in sender._buffers.items()} == staging
+        staging = {k: b.data_ptr() for k, b in sender._buffers.items()}
+    assert all(len(sets) <= 2 for sets in storages.values()), storages  # receive buffers: at most two sets, reused
+    assert len(staging) <= 4  # two staging buffers per dtype
+    sender.close()
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+
+
+def test_a_receiver_waiting_for_its_next_update_closes_at_once(tmp_path):
+    import threading
+    import time
+
+    run = RunDir(tmp_path).make()
+    holder = {}
+    t = threading.Thread(target=lambda: holder.setdefault(
+        "sender", BroadcastSender(run, num_receivers=1, bucket_mb=1, timeout_s=60, attempt="t")), daemon=True)
+    t.start()
+    recv = BroadcastReceiver(run, 1, timeout_s=60, attempt="t")
+    t.join(timeout=60)
+    time.sleep(0.5)  # the receiver is waiting for the trainer's next message
+    t0 = time.monotonic()
+    recv.close()
+    assert time.monotonic() - t0 < 0.9 and recv.closed()
+    holder["sender"].close()

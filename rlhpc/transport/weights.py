@@ -4,8 +4,8 @@ Two transports behind one sender/receiver pair:
 - `broadcast`: the weights group, its own process group (NCCL on GPU, gloo on CPU) of trainer rank 0 and every
   inference worker, rendezvousing through a TCPStore at trainer rank 0 whose address and random token are published in
   `rendezvous/weights.json`. A member that does not present the token is refused. Tensors travel in flat buckets of one
-  dtype, at most `weights.bucket_mb` each, filled from a stream of (name, tensor) so the sender never holds more than a
-  bucket beyond its model.
+  dtype, at most `weights.bucket_mb` each, filled from a stream of (name, tensor) so the sender never holds more than
+  two buckets beyond its model (two staging buffers per dtype: one is packed while the other is on the wire).
 - `filesystem`: a safetensors snapshot per version under `weights/` plus a READY marker. Snapshots are also how a
   worker starts (version 0) and how a late joiner catches up.
 
@@ -14,6 +14,7 @@ Tensors travel under their Hugging Face checkpoint names.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import gc
 import json
@@ -34,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from rlhpc.dtypes import dtype_of
 from rlhpc.procs import node_address
-from rlhpc.rundir import Backoff, RunDir, fsync_dir, read_json, wait_for, write_json
+from rlhpc.rundir import RunDir, fsync_dir, read_json, wait_for, write_json
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,8 @@ class FilesystemReceiver(WeightsReceiver):
 #   {"kind": "update", "version": v, "epoch": e}
 #                                    the buckets of version v follow in epoch e's group;
 #   {"kind": "close"}                nothing more will be sent.
+# Each message rings bell/<id>/<n> for every member id known, set with it in one store request: a member blocks on
+# its bell (a store wait, no polling) and reads the message the moment it is said.
 # A candidate (a new, restarted or attached worker; member id = its rank + 1) announces its id (joiners counter,
 # joiner/<i>), then claims join/<id> with "<nonce>:<token>" (compare-and-set: another candidate's claim is never
 # overwritten); the trainer reads claims at each update, answers verdict/<id>/<nonce> (ok, refused: no token, or
@@ -197,16 +200,18 @@ def default_backend() -> str:
 
 
 def _bucketize(layout: List[Tuple[str, List[int], str]], bucket_bytes: int) -> List[List[int]]:
-    """Splits the layout into runs of consecutive same-dtype tensors of at most `bucket_bytes` (one tensor may exceed)."""
+    """Splits the layout into runs of consecutive same-dtype tensors of at most `bucket_bytes`. A tensor of half a
+    bucket or more is a bucket of its own, sent from its own memory: packing it would copy it to save one broadcast."""
     buckets: List[List[int]] = []
-    size, dtype = 0, None
+    size, dtype, alone = 0, None, False
     for i, (_, shape, dt) in enumerate(layout):
         nbytes = _numel(shape) * torch.empty((), dtype=dtype_of(dt)).element_size()
-        if not buckets or dt != dtype or size + nbytes > bucket_bytes:
+        big = 2 * nbytes >= bucket_bytes
+        if not buckets or big or alone or dt != dtype or size + nbytes > bucket_bytes:
             buckets.append([])
             size, dtype = 0, dt
         buckets[-1].append(i)
-        size += nbytes
+        size, alone = size + nbytes, big
     return buckets
 
 
@@ -216,6 +221,10 @@ def _numel(shape: List[int]) -> int:
         n *= s
     return n
 
+
+# Seconds a member waits on its bell before it looks for the message anyway (a safety net: every message rings the
+# bell of every member id the trainer knows, and a member reads from a message said after the trainer knew it).
+BELL_WAIT_S = 30.0
 
 # Seconds a call waits for the answers of the members it expects (those alive answer within milliseconds; the wait
 # only runs out when one died, once per failure).
@@ -307,8 +316,11 @@ class BroadcastSender(WeightsSender):
         return admitted
 
     def _say(self, msg: dict) -> int:
+        """Message n, with a bell for every member id known (bell/<id>/<n>): a member waits on its bell rather than
+        polling, so it starts receiving as soon as the update is said."""
         n = self.next_msg
-        self.store.set(f"pub/{n}", json.dumps(msg))
+        bells = [f"bell/{m}/{n}" for m in sorted(self.watch)]
+        self.store.multi_set([f"pub/{n}"] + bells, [json.dumps(msg)] + ["1"] * len(bells))
         self.next_msg += 1
         return n
 
@@ -367,10 +379,18 @@ class BroadcastSender(WeightsSender):
         n = self._say({"kind": "update", "version": version, "epoch": self.epoch})
         if self.in_place and self.group is not None and not self.broken:
             self._wait_ready(n, version)
-        # Bucket k+1 is gathered and copied into its staging buffer while bucket k is on the wire (gloo and NCCL run
-        # the broadcast asynchronously); two staging buffers per dtype, kept across updates.
-        sent, inflight = 0, None
-        for k, bucket in enumerate(self.buckets):
+        # Broadcasts run in the background (gloo and NCCL alike): the next bucket is gathered and packed while the two
+        # before it are on the wire. A bucket of one tensor goes from that tensor's memory; one of several is packed
+        # into one of two staging buffers per dtype, kept across updates (a slot is packed again once its broadcast is
+        # done).
+        sent, inflight, packed = 0, collections.deque(), collections.Counter()
+
+        def retire() -> None:  # waits for the oldest broadcast in flight
+            nonlocal sent
+            work, flat, _ = inflight.popleft()
+            sent += self._finish(work, flat, version)
+
+        for bucket in self.buckets:
             parts = []
             for i in bucket:
                 name, t = next(stream)
@@ -379,15 +399,23 @@ class BroadcastSender(WeightsSender):
                 parts.append(t.detach().reshape(-1).to(self.device))
             if self.group is None or self.broken:  # nobody to send to: the stream is still taken in full (with FSDP,
                 continue                           # every rank's all-gathers go on)
+            slot = None
             if len(parts) == 1:
                 flat = parts[0].contiguous()
             else:
-                flat = self._staging(k % 2, parts[0].dtype, sum(t.numel() for t in parts))
+                slot = (packed[parts[0].dtype] % 2, parts[0].dtype)
+                packed[parts[0].dtype] += 1
+                while any(s == slot for _, _, s in inflight):
+                    retire()
+                flat = self._staging(slot, sum(t.numel() for t in parts))
                 torch.cat(parts, out=flat)
             del parts
-            sent += self._finish(inflight, version)
-            inflight = None if self.broken else (self._start(flat), flat)
-        sent += self._finish(inflight, version)
+            while len(inflight) >= 2:
+                retire()
+            if not self.broken:
+                inflight.append((self._start(flat), flat, slot))
+        while inflight:
+            retire()
         return sent
 
     def _wait_ready(self, n: int, version: int) -> None:
@@ -395,21 +423,18 @@ class BroadcastSender(WeightsSender):
         is not within weights.timeout_s breaks the epoch: the group is dropped now, so that those ready fail at once
         rather than after weights.member_timeout_s, and the next update calls a new epoch."""
         keys = [f"ready/{n}/{m}" for m in sorted(self.in_place)]
-        deadline, backoff = time.monotonic() + self.timeout_s, Backoff(0.05, first_s=0.001)
-        while not self.store.check(keys):
-            if time.monotonic() > deadline:
-                late = [m for m, k in zip(sorted(self.in_place), keys) if not self.store.check([k])]
-                self._failed(TimeoutError(f"members {late} (weights.receive=in_place) were not ready within "
-                                          f"weights.timeout_s={self.timeout_s:.0f}s"), version)
-                self._drop_group()
-                return
-            time.sleep(backoff.next())
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))  # returns as the last one is set
+        except dist.DistStoreError:
+            late = [m for m, k in zip(sorted(self.in_place), keys) if not self.store.check([k])]
+            self._failed(TimeoutError(f"members {late} (weights.receive=in_place) were not ready within "
+                                      f"weights.timeout_s={self.timeout_s:.0f}s"), version)
+            self._drop_group()
 
-    def _staging(self, slot: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        key = (slot, dtype)
-        buf = self._buffers.get(key)
+    def _staging(self, slot: Tuple[int, torch.dtype], numel: int) -> torch.Tensor:
+        buf = self._buffers.get(slot)
         if buf is None or buf.numel() < numel:
-            buf = self._buffers[key] = torch.empty(numel, dtype=dtype, device=self.device)
+            buf = self._buffers[slot] = torch.empty(numel, dtype=slot[1], device=self.device)
         return buf[:numel]
 
     def _start(self, flat: torch.Tensor):
@@ -421,11 +446,10 @@ class BroadcastSender(WeightsSender):
             self._failed(e)
             return None
 
-    def _finish(self, inflight, version: int) -> int:
+    def _finish(self, work, flat: torch.Tensor, version: int) -> int:
         """Waits for a broadcast started by `_start`; its bytes, or 0 if the epoch broke."""
-        if inflight is None or inflight[0] is None:
+        if work is None:
             return 0
-        work, flat = inflight
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001 - a member died or stalled: the next update goes to those alive
@@ -477,6 +501,8 @@ class BroadcastReceiver(WeightsReceiver):
         self.torn = False
         self.store = dist.TCPStore(info["host"], info["port"], info["world_size"], False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
+        # A second connection, for `close` to ring this member's bell while the thread waits on the first.
+        self._waker = self.store.clone()
         self.token = info["token"] if token is None else token
         self.announced = False
         self.cursor = self._join()
@@ -520,14 +546,19 @@ class BroadcastReceiver(WeightsReceiver):
         return int(self.store.get(f"start/{self.member}/{nonce}"))
 
     def _next_message(self) -> Optional[dict]:
-        """The next message of the trainer (waits with a bounded rate of store lookups); None once stopping."""
-        key, backoff = f"pub/{self.cursor}", Backoff(0.05, first_s=0.002)
+        """The next message of the trainer (waits on this member's bell for it); None once stopping."""
+        key, bell = f"pub/{self.cursor}", f"bell/{self.member}/{self.cursor}"
         while not self.store.check([key]):
             if self._stopping:
                 return None
-            time.sleep(backoff.next())
+            try:
+                self.store.wait([bell], datetime.timedelta(seconds=BELL_WAIT_S))
+            except dist.DistStoreError:  # the safety net ran out: look for the message again
+                pass
         self.cursor += 1
-        return json.loads(self.store.get(key))
+        msg = json.loads(self.store.get(key))
+        self.store.delete_key(bell)  # the store keeps no bell per message and member for the whole run
+        return msg
 
     def _run(self) -> None:
         try:
@@ -688,4 +719,9 @@ class BroadcastReceiver(WeightsReceiver):
 
     def close(self) -> None:
         self._stopping = True
+        if self._thread.is_alive():
+            try:
+                self._waker.set(f"bell/{self.member}/{self.cursor}", "stop")  # the thread waits on it, or stops first
+            except Exception:  # noqa: BLE001 - the trainer's store is gone: the thread already stopped on that
+                pass
         self._thread.join(timeout=1.0)
