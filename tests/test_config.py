@@ -105,7 +105,12 @@ def test_the_glm5_preset_plans_fp8_and_prefill_decode_disaggregation_without_sub
     env = dict(__import__("os").environ, RLHPC_MODEL_PATH=str(tmp_path / "glm5-checkpoint"))
     proc = subprocess.run(
         [sys.executable, "-m", "rlhpc.launch", "+exp=glm5", "launcher=slurm", "cluster=gpu_example", "dry_run=true",
-         f"run_dir={tmp_path / 'run'}"],
+         f"run_dir={tmp_path / 'run'}",
+         # A layout the preset does not use (it has no room for P/D: docs/scaling.md): 16 ranks without expert
+         # parallelism, a prefill and a decode instance of tp 4 per worker.
+         "trainer.num_ranks=16", "trainer.ep=1", "trainer.groups_per_step=64", "cluster.trainer.nodes=2",
+         "inference.num_workers=4", "cluster.inference.nodes=4", "inference.tensor_parallel_size=4",
+         "inference.disaggregation.enabled=true", "inference.disaggregation.prefill_tensor_parallel_size=4"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
     )
     # The plan is printed, then refused: 744B parameters do not fit 80 GiB GPUs without expert parallelism
@@ -156,7 +161,8 @@ def test_the_memory_plan_gathers_only_a_ranks_share_of_the_routed_experts_with_e
     monkeypatch.setenv("RLHPC_MODEL_PATH", str(tmp_path / "glm5-checkpoint"))
     rows = {}
     for ep in (1, 16):
-        cfg = composed("+exp=glm5", "cluster=gpu_example", f"run_dir={tmp_path}/run", f"trainer.ep={ep}")
+        cfg = composed("+exp=glm5", "cluster=gpu_example", f"run_dir={tmp_path}/run", f"trainer.ep={ep}",
+                       "trainer.num_ranks=16", "trainer.groups_per_step=64", "cluster.trainer.nodes=2")
         rows[ep] = {line.split("  ")[2].strip(): line for line in plan(cfg).lines if line.startswith("    ")}
     assert "trainer mesh: dp_shard=1 x ep=16 x cp=1 = 16 rank(s)" in "\n".join(plan(cfg).lines)
     assert "routed experts (1/16)" in rows[16] and "routed experts (1/16)" not in rows[1]

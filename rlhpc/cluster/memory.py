@@ -16,10 +16,13 @@ in the compute dtype with float32 gradients, instead of all R; routing is assume
                                                                                    block recomputed in its backward)
     logprob head = 2 x logprob_chunk_tokens x V x 4     (one chunk's float32 logits and their gradient;
                  = 3 x T x V x 4                         without chunks: logits, log-softmax and gradient of all T)
+    DSA indexer  = (2 x index_n_heads + 1) x T x T x 4  (GLM-5: transformers' indexer scores every query against every
+                                                         key in float32, one layer at a time; 0 for other models)
 with P parameters (`count_parameters`), T = max(trainer.micro_batch_tokens, inference.max_model_len) tokens in the
 largest micro-batch (micro-batches pack samples up to micro_batch_tokens padded tokens; a longer sample, at most
 max_model_len tokens, gets one of its own) and a(block) the activation elements saved per token by one block
-(`block_activation_elements`).
+(`block_activation_elements`). With trainer.ep > 1 the routed experts must divide by ep and over num_ranks (refused
+naming trainer.ep otherwise). Context parallelism does not exist: T is on one rank whole.
 
 inference instance (tensor_parallel_size GPUs, vLLM):
     weights  = (P - embeddings - lm_head) x serving bytes / tp + (embeddings + lm_head) x model.dtype bytes / tp
@@ -322,6 +325,7 @@ def plan(cfg) -> MemoryPlan:
     if hf is None or counts is None:
         out.lines.append(f"  memory per GPU: not estimated ({source})")
         return out
+    _experts_divide(cfg, hf, out)
     gpu_gb = float(getattr(cfg.cluster, "gpu_memory_gb", 0) or 0)
     check = f"against cluster.gpu_memory_gb={gpu_gb:g}" if gpu_gb else "not checked: no cluster.gpu_memory_gb"
     out.lines.append(f"  memory per GPU, estimated ({_params(counts.total)} parameters from {source}; {check}):")
@@ -360,6 +364,36 @@ def _meshes(cfg, out: MemoryPlan) -> List[Tuple[str, int, str]]:
     return instances
 
 
+def _experts_divide(cfg, hf, out: MemoryPlan) -> None:
+    """With expert parallelism (trainer.ep > 1): the model is a MoE whose routed experts divide over the ep groups
+    (each computes experts / ep) and over the trainer.num_ranks ranks that store them (one dim-0 shard each). The
+    config check knows the expert count of a model built in code only; this one knows it from the model's shape."""
+    ep, ranks, E = cfg.trainer.ep, cfg.trainer.num_ranks, num_experts(hf)
+    if ep <= 1:
+        return
+    if not E:
+        out.problems.append(f"expert parallelism trainer.ep={ep} needs a MoE model, and {cfg.model.name} has no routed "
+                            "experts (set trainer.ep=1).")
+    elif E % ep:
+        out.problems.append(f"the model's {E} routed experts do not divide into trainer.ep={ep} groups.")
+    elif E % ranks:
+        out.problems.append(f"the model's {E} routed experts do not divide over the trainer.num_ranks={ranks} ranks "
+                            "that store them (one shard of whole experts each).")
+    else:
+        return
+    out.keys += ["trainer.ep", "trainer.num_ranks"]
+
+
+def indexer_scores_bytes(hf, tokens: int) -> int:
+    """GLM-5's DSA indexer as transformers computes it (GlmMoeDsaIndexer, without gradients): float32 scores of every
+    query against every key for each indexer head, [B, L, index_heads, L], at most index_heads x T x T x 4 B when one
+    row fills the micro-batch; the next elementwise op (scale, relu) makes a copy while they live, and their weighted
+    sum over heads adds T x T x 4 B: (2 x index_heads + 1) x T x T x 4 B at the peak. Transient, one layer at a time
+    (again in each block's recompute with checkpointing); 0 for a model without the indexer."""
+    heads = _get(hf, "index_n_heads")
+    return (2 * heads + 1) * tokens * tokens * 4 if heads else 0
+
+
 def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> None:
     """The rows of one trainer rank (module docstring), their total, and the refusal when it exceeds the GPU."""
     tr, ranks, P = cfg.trainer, cfg.trainer.num_ranks, counts.total
@@ -386,6 +420,10 @@ def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> Non
     on = "checkpointed" if tr.activation_checkpointing else "no checkpointing"
     rows.append((f"activations ({on})", act,
                  f"T={tokens} tokens x {act // tokens // compute:,} elements x {compute} B"))
+    scores = indexer_scores_bytes(hf, tokens)
+    if scores:
+        rows.append(("DSA indexer scores (transient)", scores,
+                     f"(2 x index_n_heads {hf.index_n_heads} + 1) x T x T x 4 B, one layer at a time"))
     head = logprob_head_bytes(hf, tokens, tr.logprob_chunk_tokens)
     chunk = min(tr.logprob_chunk_tokens, tokens)
     rows.append(("logprob head", head, f"2 x {chunk} x V={hf.vocab_size} x 4 B" if tr.logprob_chunk_tokens > 0
@@ -402,11 +440,19 @@ def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> Non
     if not gpu_gb or total <= budget:
         return
     fixed = total - sum(state.values())  # what more ranks do not divide
+    E = num_experts(hf)
     if fixed < budget:
-        how = f"about {math.ceil(P * master * 4 / (budget - fixed))} ranks would fit (trainer.num_ranks)"
+        ranks_needed = math.ceil(P * master * 4 / (budget - fixed))
+        how = f"about {ranks_needed} ranks would fit (trainer.num_ranks)"
+        if tr.ep > 1 and E:  # the ranks store whole experts: their number must divide the expert count
+            fitting = [n for n in range(ranks_needed, E + 1) if E % n == 0]
+            how = (f"{fitting[0]} ranks would fit (trainer.num_ranks, which must divide the model's {E} experts)"
+                   if fitting else f"about {ranks_needed} ranks would fit, more than the model's {E} experts can be "
+                   "stored over (trainer.num_ranks, trainer.ep)")
     else:
-        how = (f"no number of ranks fits: the unsharded block, the root, the activations and the head alone take "
-               f"{_gib(fixed)} (expert parallelism, trainer.ep, gathers 1/ep of a block's routed experts)")
+        how = (f"no number of ranks fits: what the ranks do not divide (all but the sharded model state, at "
+               f"T={tokens} tokens) alone takes {_gib(fixed)} (expert parallelism, trainer.ep, gathers 1/ep of a "
+               "block's routed experts; context parallelism, which rlhpc does not have, would split T)")
     out.problems.append(f"a trainer rank needs about {_gib(total)}, more than the GPU's {gpu_gb:g} GiB "
                         f"(cluster.gpu_memory_gb); {how}.")
     out.keys += ["trainer.num_ranks", "trainer.ep", "trainer.activation_checkpointing", "trainer.micro_batch_tokens",
@@ -460,7 +506,8 @@ def _inference(cfg, hf, counts: ParamCount, gpu_gb: float, instances, out: Memor
         how = f"tensor parallelism {tps[0]} would fit ({key})" if tps else "no tensor parallelism up to 64 fits"
         node = cfg.cluster.inference.gpus_per_node
         if tps and node and tps[0] > node:
-            how += f", but an instance must fit in one node's {node} GPUs (cluster.inference.gpus_per_node)"
+            how += (f", but an instance must fit in one node's {node} GPUs (cluster.inference.gpus_per_node): "
+                    "rlhpc runs no vLLM instance across nodes")
         out.problems.append(f"the {name} instance needs {_gib(w + kv_seq)} per GPU (weights and one max_model_len "
                             f"sequence of KV cache), more than the {_gib(usable)} usable; {how}.")
         out.keys += [key, "inference.quantization", "inference.max_model_len", "inference.gpu_memory_utilization",
