@@ -5,8 +5,9 @@ max(generation s/step, training s/step), and against the same code run synchrono
     python benchmarks/async_overlap.py --workers 2          # the quick start's 2 workers (3 busy threads on 2 cores)
     python benchmarks/async_overlap.py --steps 12 --max-new-tokens 64 --keep    # keep the run directories
 
-The setting is the quick start (`+exp=reverse_text`) made generation-heavy: every completion may run to
---max-new-tokens (an untrained model rarely stops early), a ~10M-parameter Qwen3-architecture model built in code
+The setting is the quick start (`+exp=reverse_text`) made generation-heavy: every completion runs to
+--max-new-tokens (`env.ignore_eos=true`: the eos token does not end it, so both modes generate and train on the same
+number of tokens however their policies drift apart; --stop-at-eos lets completions end), a ~10M-parameter Qwen3-architecture model built in code
 (hidden 384, 6 layers, MLP 1152), no SFT warm start (`sft.steps=0`: RL only), no held-out evaluation during RL
 (`eval.interval=0`). Steps are smaller than the quick start's (--groups-per-step groups of --group-size completions,
 generated --groups-per-batch groups a call) so that both modes fit in a few minutes on a 2-core CPU machine. One
@@ -69,7 +70,8 @@ def run_mode(args, async_level: int, root: Path) -> dict:
     gpb = args.groups_per_batch
     cmd = [sys.executable, "-m", "rlhpc.launch", "+exp=reverse_text", f"run_dir={run_dir}",
            f"async_level={async_level}", f"trainer.steps={args.steps}", "sft.steps=0", "eval.interval=0",
-           "launcher.progress=false", f"env.max_new_tokens={args.max_new_tokens}", *MODEL,
+           "launcher.progress=false", f"env.max_new_tokens={args.max_new_tokens}",
+           f"env.ignore_eos={str(not args.stop_at_eos).lower()}", *MODEL,
            f"algo.group_size={args.group_size}", f"trainer.groups_per_step={args.groups_per_step}",
            f"inference.groups_per_batch={gpb}", f"inference.num_workers={args.workers}",
            *args.extra]
@@ -125,6 +127,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="RL steps per mode (trainer.steps)")
     ap.add_argument("--warmup", type=int, default=2, help="first steps not measured (>= 1: step 1 has no start row)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="env.max_new_tokens")
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="let completions end at the eos token (default: env.ignore_eos=true, every completion has "
+                         "--max-new-tokens tokens, so both modes do the same work)")
     ap.add_argument("--workers", type=int, default=1,
                     help="inference.num_workers (1: trainer + worker are 2 busy threads, as many as 2 cores)")
     ap.add_argument("--groups-per-step", type=int, default=4, help="trainer.groups_per_step")
@@ -150,7 +155,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="rlhpc-bench-async-"))
     gpb = args.groups_per_batch
     print(f"setting: +exp=reverse_text, ~10M-parameter model ({' '.join(MODEL)}), sft.steps=0, eval.interval=0,\n"
-          f"  env.max_new_tokens={args.max_new_tokens}, {args.groups_per_step} groups x {args.group_size} completions "
+          f"  env.max_new_tokens={args.max_new_tokens}, env.ignore_eos={not args.stop_at_eos}, {args.groups_per_step} groups x {args.group_size} completions "
           f"per step, inference.num_workers={args.workers} x groups_per_batch={gpb}, {args.steps} RL steps per mode "
           f"({args.warmup} warm-up)\n  threads: {threads} (cores here: {os.cpu_count()}); run dirs under {root}",
           flush=True)

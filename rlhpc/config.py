@@ -64,6 +64,10 @@ class EnvConfig:
     args: Dict[str, Any] = field(default_factory=dict)
     # Tokens the policy may sample in one turn.
     max_new_tokens: int = 32
+    # Benchmarks: the end-of-sequence token does not end a turn, so every completion runs to max_new_tokens and runs
+    # that differ in anything else generate and train on the same number of tokens (benchmarks/async_overlap.py).
+    # rlhpc's own episodes only: a verifiers environment keeps its own stops.
+    ignore_eos: bool = False
     # Policy turns per episode; 0: the environment's own `max_turns` (1 for single-turn environments).
     max_turns: int = 0
     # Tokens of a whole episode (prompt, every turn, every environment reply); 0: no budget beyond the turns.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -174,3 +175,24 @@ def test_the_token_budget_ends_an_episode_as_truncated(model_dir):
 def test_a_pool_refuses_an_environment_that_cannot_start():
     with pytest.raises(RuntimeError, match="failed to start in a pool process.*nope"):
         EnvPool(EnvConfig(cls="episode_envs:Faulty", args={"nope": 1}, pool_processes=1))
+
+
+def test_env_ignore_eos_runs_every_turn_to_max_new_tokens(model_dir):
+    """`env.ignore_eos` (benchmarks): a model that says end-of-sequence at once still generates max_new_tokens."""
+    env = echo_env()
+    tok = models.load_tokenizer(model_dir)
+    model = models.load_model(model_dir).eval()
+    eos_first = model.get_output_embeddings().register_forward_hook(
+        lambda m, args, out: out.index_add(-1, torch.tensor([tok.eos_token_id]), torch.full(out.shape[:-1] + (1,), 30.0)))
+    tasks = list(itertools.islice(env.tasks("train", 0), 2))  # an endless stream
+    try:
+        with EnvPool(env.config, processes=0, env=env) as pool:
+            stopped = run_episodes(HFEngine(model, tok.pad_token_id), env, pool, tok, tasks, 2, 1.0, 12, 1)
+            full = run_episodes(HFEngine(model, tok.pad_token_id), env, pool, tok, tasks, 2, 1.0, 12, 1,
+                                ignore_eos=True)
+        assert all(len(e.ids) - e.prompt_len == 1 for g in stopped for e in g)  # the eos alone
+        episodes = [e for g in full for e in g]
+        assert all(len(e.ids) - e.prompt_len == 12 for e in episodes)
+        assert all(e.ids[e.prompt_len:].count(tok.eos_token_id) > 1 for e in episodes)
+    finally:
+        eos_first.remove()

@@ -98,10 +98,12 @@ def _overrides(env: Environment, method: str) -> bool:
 
 def run_episodes(engine, env: Environment, pool, tokenizer, tasks: Sequence[Task], n: int, temperature: float,
                  max_new_tokens: int, max_turns: int, max_tokens: int = 0, version: int = 0, greedy: bool = False,
-                 error_reward: float = 0.0, timeout_s: float = 600.0) -> List[List[Episode]]:
-    """Runs `n` episodes of each task to the end and scores them; returns them grouped by task."""
+                 error_reward: float = 0.0, timeout_s: float = 600.0,
+                 ignore_eos: bool = False) -> List[List[Episode]]:
+    """Runs `n` episodes of each task to the end and scores them; returns them grouped by task. With `ignore_eos`
+    (config `env.ignore_eos`) a turn ends at max_new_tokens only."""
     renderer = Renderer(tokenizer, [t.schema() for t in env.tools()])
-    stop = [tokenizer.eos_token_id]
+    stop = [] if ignore_eos else [tokenizer.eos_token_id]
     prompts = [renderer.prompt(env.messages(t)) for t in tasks]
     groups = [[Episode(t, list(p), len(p), list(env.messages(t))) for _ in range(n)] for t, p in zip(tasks, prompts)]
     episodes = [e for g in groups for e in g]

@@ -32,7 +32,8 @@ def episodes(engine: Engine, env: Environment, pool: EnvPool, tokenizer, tasks: 
         return env.run_episodes(engine, tokenizer, tasks, n, temperature, env_cfg, version=version, greedy=greedy)
     return run_episodes(engine, env, pool, tokenizer, tasks, n, temperature, env_cfg.max_new_tokens,
                         max_turns(env, env_cfg), env_cfg.max_episode_tokens, version, greedy=greedy,
-                        error_reward=env_cfg.error_reward, timeout_s=env_cfg.call_timeout_s * 4 + 60)
+                        error_reward=env_cfg.error_reward, timeout_s=env_cfg.call_timeout_s * 4 + 60,
+                        ignore_eos=env_cfg.ignore_eos)
 
 
 def generate_groups(engine: Engine, env: Environment, pool: EnvPool, tokenizer, tasks: Sequence[Task],
