@@ -196,6 +196,11 @@ class TrainerConfig:
     # tokens reach them by all-to-all (rlhpc/train/experts.py). Must divide trainer.num_ranks; 1: experts are plain
     # FSDP2 parameters.
     ep: int = 1
+    # Context parallelism: each packed micro-batch row is split over `cp` consecutive ranks (W / cp positions each;
+    # attention exchanges heads with all-to-all, so the model's attention heads must divide by cp), which train the
+    # same samples: the batch is split over num_ranks / cp groups (rlhpc/train/context.py). Needs
+    # trainer.packing=shared_prefix; composes with trainer.ep. 1: a sequence is on one rank whole.
+    cp: int = 1
     # Save a checkpoint every this many steps (0: only at the end and on a stop signal).
     checkpoint_interval: int = 0
     # Export the final model in Hugging Face format to checkpoints/final.
@@ -498,6 +503,7 @@ def validate(cfg: Config) -> None:
          "is not tested with expert parallelism (its all-to-all runs inside the blocks): set trainer.compile=false or "
          "trainer.ep=1")
     _check_expert_parallel(cfg)
+    _check_context_parallel(cfg)
     need(not (cfg.trainer.param_dtype == "float32" and cfg.trainer.master_dtype == "bfloat16"),
          "trainer.param_dtype", "float32 compute over bfloat16 master weights gains nothing: set "
          "trainer.master_dtype=float32 (mixed precision) or trainer.param_dtype=bfloat16 (pure bf16)")
@@ -591,6 +597,30 @@ def _check_expert_parallel(cfg: Config) -> None:
     need(experts % ranks == 0, "trainer.ep",
          f"the model's {experts} routed experts must divide evenly over the trainer.num_ranks={ranks} ranks that "
          "store them")
+
+
+def _check_context_parallel(cfg: Config) -> None:
+    """trainer.cp: divides the ranks, runs on packed rows, and for a model built in code divides its heads (a model
+    from `model.path` is checked when the trainer installs it: rlhpc/train/context.py)."""
+    cp, ranks = cfg.trainer.cp, cfg.trainer.num_ranks
+    need(cp >= 1, "trainer.cp", "must be >= 1")
+    if cp == 1:
+        return
+    need(ranks % (cp * cfg.trainer.ep) == 0, "trainer.cp",
+         f"{cp} x trainer.ep={cfg.trainer.ep} must divide trainer.num_ranks ({ranks}): the ranks form a "
+         "dp_shard x ep x cp mesh")
+    need(cfg.trainer.packing == "shared_prefix", "trainer.cp",
+         f"{cp} splits packed rows: set trainer.packing=shared_prefix (not {cfg.trainer.packing!r})")
+    need(not cfg.trainer.compile, "trainer.compile",
+         "is not tested with context parallelism (its all-to-all runs inside attention): set trainer.compile=false "
+         "or trainer.cp=1")
+    if cfg.model.path is not None:
+        return
+    need(cfg.model.arch not in ("glm_moe_dsa", "deepseek_v32"), "trainer.cp",
+         f"{cp}: {cfg.model.arch}'s sparse attention picks its keys with its own indexer over the whole sequence, "
+         "which context parallelism does not split (set trainer.cp=1)")
+    need(cfg.model.num_heads % cp == 0, "trainer.cp",
+         f"{cp} must divide the model's {cfg.model.num_heads} attention heads (model.num_heads)")
 
 
 def to_typed(cfg: DictConfig | Dict[str, Any]) -> Config:

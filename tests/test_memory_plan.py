@@ -163,7 +163,7 @@ def test_glm5_without_expert_parallelism_fits_no_number_of_80_gib_gpus(tmp_path,
     assert launch(cfg) == 2
     out, err = capsys.readouterr()
     assert "trainer mesh: dp_shard=16 x ep=1 x cp=1 = 16 rank(s)" in out
-    assert "trainer.ep spreads a MoE's routed experts; context parallelism does not exist in rlhpc yet" in out
+    assert "trainer.ep spreads a MoE's routed experts; trainer.cp splits a sequence over ranks" in out
     assert "inference mesh: 4 worker(s) x [1 prefill instance (tp=4) + 1 decode instance (tp=4)]" in out
     assert "743.91B parameters from the published glm5 shape" in out
     assert "FSDP unsharded block                73.6 GiB" in out

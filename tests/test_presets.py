@@ -1,5 +1,5 @@
 """The real-size presets (conf/exp/{qwen3_30b_a3b,minimax_m2,glm5}.yaml for 8-GPU nodes of 80 GB, their *_h200 twins
-for 141 GB H200s) plan a job that fits: their dry run on a login node (no GPU, no checkpoint, no sbatch) shows each
+for 141 GB H200s, minimax_m2_64k with context parallelism for 65536-token samples) plan a job that fits: their dry run on a login node (no GPU, no checkpoint, no sbatch) shows each
 role's mesh and its memory per GPU and passes the memory check, except GLM-5's inference on 80 GB GPUs, which cannot
 fit in a node (docs/scaling.md, "Presets")."""
 
@@ -21,6 +21,7 @@ PRESETS = {
     "qwen3_30b_a3b_h200": (141, "dp_shard=8 x ep=1 x cp=1 = 8 rank(s)", "8 worker(s) x [1 engine instance (tp=1)]"),
     "minimax_m2": (80, "dp_shard=1 x ep=128 x cp=1 = 128 rank(s)", "8 worker(s) x [1 engine instance (tp=8)]"),
     "minimax_m2_h200": (141, "dp_shard=1 x ep=64 x cp=1 = 64 rank(s)", "8 worker(s) x [1 engine instance (tp=4)]"),
+    "minimax_m2_64k": (80, "dp_shard=1 x ep=64 x cp=2 = 128 rank(s)", "8 worker(s) x [1 engine instance (tp=8)]"),
     "glm5": (80, "dp_shard=1 x ep=256 x cp=1 = 256 rank(s)", "8 worker(s) x [1 engine instance (tp=8)]"),
     "glm5_h200": (141, "dp_shard=1 x ep=128 x cp=1 = 128 rank(s)", "8 worker(s) x [1 engine instance (tp=8)]"),
 }

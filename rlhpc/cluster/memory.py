@@ -4,9 +4,10 @@ The launcher prints this with the plan (`dry_run=true`) and refuses a run that c
 (`MemoryPlan.refusal`), naming the keys to change. Everything here is arithmetic over the model's Hugging Face config;
 no model is built and no GPU is needed. The formulas (docs/scaling.md, "Memory per GPU, estimated"):
 
-trainer rank (one GPU each; FSDP2 over all `trainer.num_ranks`: dp_shard = num_ranks, ep = 1, cp = 1; with
-`trainer.ep` > 1 the routed experts R of the largest block leave its FSDP unit and a rank gathers R / ep of them,
-in the compute dtype with float32 gradients, instead of all R; routing is assumed balanced, so activations stay):
+trainer rank (one GPU each; FSDP2 over all `trainer.num_ranks` = dp_shard x ep x cp; with `trainer.ep` > 1 the
+routed experts R of the largest block leave its FSDP unit and a rank gathers R / ep of them, in the compute dtype with
+float32 gradients, instead of all R; routing is assumed balanced, so activations stay; with `trainer.cp` > 1 a rank
+holds T / cp of the micro-batch's positions, so the activations and the head's rows divide by cp, the mask does not):
     model state  = P x master bytes x (1 parameters + 1 gradients + 2 AdamW moments) / dp_shard
     FSDP working = largest block x (2 x compute bytes + 4)     one block all-gathered, the next prefetched, and the
                                                                block's gradients reduce-scattered in float32
@@ -16,13 +17,16 @@ in the compute dtype with float32 gradients, instead of all R; routing is assume
                                                                                    block recomputed in its backward)
     logprob head = 2 x logprob_chunk_tokens x V x 4     (one chunk's float32 logits and their gradient;
                  = 3 x T x V x 4                         without chunks: logits, log-softmax and gradient of all T)
+    packing mask = T x min(T, max(pack_row_tokens, max_model_len)) x 1 B   (trainer.packing=shared_prefix: the rows'
+                                                         boolean [W, W] attention masks, whole on every cp rank)
     DSA indexer  = (2 x index_n_heads + 1) x T x T x 4  (GLM-5: transformers' indexer scores every query against every
                                                          key in float32, one layer at a time; 0 for other models)
 with P parameters (`count_parameters`), T = max(trainer.micro_batch_tokens, inference.max_model_len) tokens in the
 largest micro-batch (micro-batches pack samples up to micro_batch_tokens padded tokens; a longer sample, at most
 max_model_len tokens, gets one of its own) and a(block) the activation elements saved per token by one block
 (`block_activation_elements`). With trainer.ep > 1 the routed experts must divide by ep and over num_ranks (refused
-naming trainer.ep otherwise). Context parallelism does not exist: T is on one rank whole.
+naming trainer.ep otherwise); with trainer.cp > 1 the attention heads must divide by cp and the model must take packed
+rows (refused naming trainer.cp otherwise; GLM-5's DSA attention does not).
 
 inference instance (tensor_parallel_size GPUs, vLLM):
     weights  = (P - embeddings - lm_head) x serving bytes / tp + (embeddings + lm_head) x model.dtype bytes / tp
@@ -326,6 +330,7 @@ def plan(cfg) -> MemoryPlan:
         out.lines.append(f"  memory per GPU: not estimated ({source})")
         return out
     _experts_divide(cfg, hf, out)
+    _context_divides(cfg, hf, out)
     gpu_gb = float(getattr(cfg.cluster, "gpu_memory_gb", 0) or 0)
     check = f"against cluster.gpu_memory_gb={gpu_gb:g}" if gpu_gb else "not checked: no cluster.gpu_memory_gb"
     out.lines.append(f"  memory per GPU, estimated ({_params(counts.total)} parameters from {source}; {check}):")
@@ -336,18 +341,21 @@ def plan(cfg) -> MemoryPlan:
 
 def _meshes(cfg, out: MemoryPlan) -> List[Tuple[str, int, str]]:
     """The trainer's mesh (dp_shard x ep x cp = num_ranks) and the inference instances (name, tp, its config key)."""
-    ranks, inf, ep = cfg.trainer.num_ranks, cfg.inference, cfg.trainer.ep
-    mesh = {"dp_shard": ranks // max(ep, 1), "ep": ep, "cp": 1}
+    ranks, inf, ep, cp = cfg.trainer.num_ranks, cfg.inference, cfg.trainer.ep, cfg.trainer.cp
+    mesh = {"dp_shard": ranks // max(ep * cp, 1), "ep": ep, "cp": cp}
     how = "FSDP2 over all ranks" if ranks > 1 or cfg.trainer.fsdp else "one process, no FSDP"
+    parts = []
     if ep > 1:
-        out.lines.append(f"  trainer mesh: dp_shard={mesh['dp_shard']} x ep={ep} x cp=1 = {math.prod(mesh.values())} "
-                         f"rank(s), one GPU each (routed experts: each rank computes 1/{ep} of them, all-to-all over "
-                         f"{ep} ranks; every parameter stored over all {ranks} ranks; context parallelism does not "
-                         "exist in rlhpc yet)")
+        parts.append(f"routed experts: each rank computes 1/{ep} of them, all-to-all over {ep} ranks; every parameter "
+                     f"stored over all {ranks} ranks")
     else:
-        out.lines.append(f"  trainer mesh: dp_shard={ranks} x ep=1 x cp=1 = {math.prod(mesh.values())} rank(s), one "
-                         f"GPU each ({how}; trainer.ep spreads a MoE's routed experts; context parallelism does not "
-                         "exist in rlhpc yet)")
+        parts.append(f"{how}; trainer.ep spreads a MoE's routed experts")
+    if cp > 1:
+        parts.append(f"context: {cp} consecutive ranks split each packed row, {ranks // cp} group(s) split the batch")
+    else:
+        parts.append("trainer.cp splits a sequence over ranks")
+    out.lines.append(f"  trainer mesh: dp_shard={mesh['dp_shard']} x ep={ep} x cp={cp} = {math.prod(mesh.values())} "
+                     f"rank(s), one GPU each ({'; '.join(parts)})")
     if math.prod(mesh.values()) != ranks:  # config validation keeps ep | num_ranks; the check the mesh must keep
         out.problems.append(f"the trainer mesh {mesh} does not multiply to trainer.num_ranks={ranks}.")
         out.keys.append("trainer.num_ranks")
@@ -384,6 +392,36 @@ def _experts_divide(cfg, hf, out: MemoryPlan) -> None:
     out.keys += ["trainer.ep", "trainer.num_ranks"]
 
 
+def _context_divides(cfg, hf, out: MemoryPlan) -> None:
+    """With context parallelism (trainer.cp > 1): each of the cp ranks attends with heads / cp of the model's heads
+    (key/value heads repeated until cp divides them), and the model takes packed rows (GLM-5's DSA indexer does not).
+    The same checks as the trainer makes when it installs cp (rlhpc/train/context.py), here from the model's shape."""
+    cp, heads = cfg.trainer.cp, hf.num_attention_heads
+    if cp <= 1:
+        return
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    if _get(hf, "index_n_heads"):
+        out.problems.append(f"context parallelism trainer.cp={cp}: {cfg.model.name}'s sparse attention picks its keys "
+                            "with its own indexer over the whole sequence, which cp does not split (set trainer.cp=1).")
+    elif heads % cp:
+        out.problems.append(f"context parallelism trainer.cp={cp} does not divide the model's {heads} attention heads.")
+    elif heads % math.lcm(kv, cp):
+        out.problems.append(f"context parallelism trainer.cp={cp}: the model's {kv} key/value heads cannot be repeated "
+                            f"to a multiple of cp that divides its {heads} attention heads.")
+    else:
+        return
+    out.keys.append("trainer.cp")
+
+
+def packing_mask_bytes(cfg, tokens: int) -> int:
+    """The packed rows' boolean attention masks of one micro-batch: rows of W tokens hold W x W bytes each, at most
+    T x (the longest row) when they fill T tokens; the longest row is pack_row_tokens, or one sample of max_model_len
+    alone. Each cp rank holds them whole. 0 when samples are padded one per row (trainer.packing=padded)."""
+    if cfg.trainer.packing != "shared_prefix":
+        return 0
+    return tokens * min(tokens, max(cfg.trainer.pack_row_tokens, cfg.inference.max_model_len))
+
+
 def indexer_scores_bytes(hf, tokens: int) -> int:
     """GLM-5's DSA indexer as transformers computes it (GlmMoeDsaIndexer, without gradients): float32 scores of every
     query against every key for each indexer head, [B, L, index_heads, L], at most index_heads x T x T x 4 B when one
@@ -400,6 +438,7 @@ def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> Non
     master = DTYPE_BYTES[tr.master_dtype]
     compute = 2 if tr.param_dtype == "auto" else DTYPE_BYTES[tr.param_dtype]  # auto: bfloat16 on a GPU
     tokens = max(tr.micro_batch_tokens, cfg.inference.max_model_len)
+    local = -(-tokens // max(tr.cp, 1))  # the positions one rank holds: T / cp
     state = model_state_bytes(P, master, ranks)
     rows = [(k, v, f"{_params(P)} x {master} B{' x 2' if 'AdamW' in k else ''} / {ranks}") for k, v in state.items()]
     if (ranks > 1 or tr.fsdp) and tr.ep > 1:  # the block's routed experts leave FSDP: E/ep of them are gathered
@@ -416,20 +455,26 @@ def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> Non
                      f"{_params(block)} x ({compute} B + {compute} B prefetched + 4 B fp32 gradients)"))
     if ranks > 1 or tr.fsdp:
         rows.append(("FSDP root (embed, head, norm)", counts.root * compute, f"{_params(counts.root)} x {compute} B"))
-    act = activation_bytes(hf, tokens, compute, tr.activation_checkpointing)
+    act = activation_bytes(hf, local, compute, tr.activation_checkpointing)
     on = "checkpointed" if tr.activation_checkpointing else "no checkpointing"
+    per_rank = f"T={tokens} / cp={tr.cp} = {local}" if tr.cp > 1 else f"T={tokens}"
     rows.append((f"activations ({on})", act,
-                 f"T={tokens} tokens x {act // tokens // compute:,} elements x {compute} B"))
+                 f"{per_rank} tokens x {act // local // compute:,} elements x {compute} B"))
+    mask = packing_mask_bytes(cfg, tokens) if not _get(hf, "index_n_heads") else 0  # GLM-5's rows are padded
+    if mask:
+        rows.append(("packing mask", mask, f"T={tokens} x longest row "
+                                           f"{min(tokens, max(tr.pack_row_tokens, cfg.inference.max_model_len))} x 1 B"
+                                           + (", whole on each cp rank" if tr.cp > 1 else "")))
     scores = indexer_scores_bytes(hf, tokens)
     if scores:
         rows.append(("DSA indexer scores (transient)", scores,
                      f"(2 x index_n_heads {hf.index_n_heads} + 1) x T x T x 4 B, one layer at a time"))
-    head = logprob_head_bytes(hf, tokens, tr.logprob_chunk_tokens)
-    chunk = min(tr.logprob_chunk_tokens, tokens)
+    head = logprob_head_bytes(hf, local, tr.logprob_chunk_tokens)
+    chunk = min(tr.logprob_chunk_tokens, local)
     rows.append(("logprob head", head, f"2 x {chunk} x V={hf.vocab_size} x 4 B" if tr.logprob_chunk_tokens > 0
-                 else f"3 x {tokens} x V={hf.vocab_size} x 4 B"))
+                 else f"3 x {local} x V={hf.vocab_size} x 4 B"))
     total = sum(r[1] for r in rows)
-    other = activation_bytes(hf, tokens, compute, not tr.activation_checkpointing)
+    other = activation_bytes(hf, local, compute, not tr.activation_checkpointing)
     dtype = "bfloat16 (trainer.param_dtype=auto on a GPU)" if tr.param_dtype == "auto" else tr.param_dtype
     out.lines.append(f"   trainer rank (master {tr.master_dtype}, compute {dtype}):")
     out.lines += [_row(*r) for r in rows]
@@ -452,11 +497,11 @@ def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> Non
     else:
         how = (f"no number of ranks fits: what the ranks do not divide (all but the sharded model state, at "
                f"T={tokens} tokens) alone takes {_gib(fixed)} (expert parallelism, trainer.ep, gathers 1/ep of a "
-               "block's routed experts; context parallelism, which rlhpc does not have, would split T)")
+               "block's routed experts; context parallelism, trainer.cp, splits T's activations over cp ranks)")
     out.problems.append(f"a trainer rank needs about {_gib(total)}, more than the GPU's {gpu_gb:g} GiB "
                         f"(cluster.gpu_memory_gb); {how}.")
-    out.keys += ["trainer.num_ranks", "trainer.ep", "trainer.activation_checkpointing", "trainer.micro_batch_tokens",
-                 "cluster.gpu_memory_gb"]
+    out.keys += ["trainer.num_ranks", "trainer.ep", "trainer.cp", "trainer.activation_checkpointing",
+                 "trainer.micro_batch_tokens", "cluster.gpu_memory_gb"]
 
 
 def _inference(cfg, hf, counts: ParamCount, gpu_gb: float, instances, out: MemoryPlan) -> None:

@@ -189,7 +189,7 @@ def packed_logprobs(model: torch.nn.Module, packed: Packed, temperature: float =
     """Logprob (and entropy, no gradient) of each of `packed.targets` [N], from one forward over the packed rows. The
     output head runs only on the N predicting positions (chunked as in `token_logprobs`), not on every position."""
     mask = packed.attention_mask
-    if getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":  # eager attention adds its mask
+    if getattr(model.config, "_attn_implementation", "sdpa") == "eager":  # eager attention adds its mask
         mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
             ~mask, torch.finfo(torch.float32).min)
     inputs = dict(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids, use_cache=False)

@@ -93,6 +93,10 @@ def apply_fsdp(model: torch.nn.Module, cfg: TrainerConfig, device: torch.device)
         ignored = set(shard_experts(model, cfg.ep, mesh, compute_dtype(cfg, device)))
     mp = mixed_precision(cfg, device)
     kw = dict(mesh=mesh, ignored_params=ignored or None, **({"mp_policy": mp} if mp else {}))
+    if cfg.cp > 1:
+        from rlhpc.train.context import install
+
+        install(model, cfg.cp)
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
     for block in decoder_blocks(model):

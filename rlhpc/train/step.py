@@ -14,6 +14,7 @@ import torch.distributed as dist
 from rlhpc.algo import loss as loss_mod
 from rlhpc.algo.loss import LossInputs
 from rlhpc.config import Config
+from rlhpc.train import context
 from rlhpc.train.batching import (Packed, balance_ranks, pack, packed_logprobs, pad, plan_micro_batches, plan_rows,
                                   token_logprobs)
 from rlhpc.train.experts import RouterBalance
@@ -31,7 +32,7 @@ def packs(model: torch.nn.Module) -> bool:
     """Whether `model` can take packed rows: attention that applies a 4-D mask (sdpa, eager) and no sparse selection."""
     config = getattr(model, "config", None)
     return (getattr(config, "model_type", None) not in NO_CUSTOM_MASK
-            and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager"))
+            and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager", context.ATTENTION))
 
 
 def compile_blocks(model: torch.nn.Module) -> None:
@@ -57,12 +58,20 @@ class Step:
         self.bad_steps = bad_steps
         self.loss_fn = loss_mod.get(cfg.algo.name)
         self.balance: Optional[RouterBalance] = None
+        # Context parallelism: the cp consecutive ranks of a context group train the same samples, each on W / cp
+        # positions of every packed row (rlhpc/train/context.py); the batch is split over the dp = world / cp groups.
+        self.cp = cfg.trainer.cp if world > 1 else 1
+        self.dp, self.dp_rank = world // self.cp, rank // self.cp
+        self.context: Optional[context.ContextGroup] = None
 
     def __call__(self, step: int, batch: RolloutBatch, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler, reference: Optional[torch.nn.Module], pad_id: int) -> Dict[str, float]:
         t0 = time.time()
         cfg = self.cfg
-        mine = balance_ranks(batch.lengths, batch.group_of, self.world)[self.rank]
+        if self.cp > 1 and self.context is None:
+            self.context = context.context_group(self.cp)
+        share = 1.0 if self.context is None or self.context.first else 0.0  # a context group counts its stats once
+        mine = balance_ranks(batch.lengths, batch.group_of, self.dp)[self.dp_rank]
         lengths = batch.lengths[mine]
         # Loss weights: the whole step sums to a mean over tokens (or sequences) of all ranks.
         loss_tokens_per_sample = torch.stack(
@@ -71,6 +80,7 @@ class Step:
         tokens = torch.tensor([float(loss_tokens_per_sample.sum())])
         if self.world > 1:
             dist.all_reduce(tokens)  # loss tokens of the whole step (the sample count is global already)
+            tokens /= self.cp  # the ranks of a context group hold the same samples
         total_tokens, total_samples = max(float(tokens[0]), 1.0), float(batch.num_samples)
 
         model.train()
@@ -114,17 +124,19 @@ class Step:
             out = self.loss_fn(inputs, cfg.algo)
             weight = loss_mod.token_weights(inputs, cfg.algo.normalize, total_tokens, total_samples,
                                             cfg.env.max_new_tokens)
-            loss = (out.token_loss * weight).sum()
-            if balance is not None:
+            loss = (out.token_loss * weight).sum()  # under CP the same on every rank of the context group
+            total = share * float(loss.detach())
+            if balance is not None:  # under CP each rank's own positions' share
                 aux = balance.term(routers, positions, *loads)
                 loss = loss + aux
+                total += float(aux.detach())
                 sums["loss/router_aux"] = sums.get("loss/router_aux", 0.0) + float(aux.detach())
             loss = loss * self.world  # FSDP averages gradients over ranks
             loss.backward()
-            k = int(sel.sum())
+            k = int(sel.sum()) * share
             n_loss_tokens += k
-            sums["loss/total"] = sums.get("loss/total", 0.0) + float(loss.detach()) / self.world
-            sums["entropy"] = sums.get("entropy", 0.0) + float(entropy.sum())
+            sums["loss/total"] = sums.get("loss/total", 0.0) + total
+            sums["entropy"] = sums.get("entropy", 0.0) + float(entropy.sum()) * share
             for name, v in out.metrics.items():
                 sums[f"loss/{name}"] = sums.get(f"loss/{name}", 0.0) + float(v) * k
         if self.world > 1:  # the step's statistics over all ranks
@@ -163,6 +175,9 @@ class Step:
         `mine` of samples padded to a common length (`padded`). Either way at most `trainer.micro_batch_tokens` tokens,
         padding included, or one row or sample alone if longer."""
         budget = self.cfg.trainer.micro_batch_tokens
+        if self.cp > 1 and not packing:
+            raise ValueError(f"trainer.cp={self.cp} needs a model that takes packed rows (a custom attention mask); "
+                             "this one does not (set trainer.cp=1)")
         if self.cfg.trainer.packing != "shared_prefix" or not packing:
             return plan_micro_batches(lengths, budget)
         rows = plan_rows(mine.tolist(), sequences, group_of, self.cfg.trainer.pack_row_tokens)
@@ -229,6 +244,8 @@ class Step:
             packed = pack(rows, sequences, {i: loss_masks[i][1:] for i in samples.tolist()}, pad_id)
             packed = Packed(*(t.to(self.device) for t in (packed.input_ids, packed.position_ids,
                                                            packed.attention_mask, packed.predictors, packed.targets)))
+            if self.context is not None:
+                return self.context_logprobs(packed, pad_id)
             return (lambda m, with_entropy=False: packed_logprobs(m, packed, temperature, with_entropy, chunk),
                     packed.predictors)
         ids, attn = pad([sequences[i] for i in samples.tolist()], pad_id)
@@ -239,6 +256,19 @@ class Step:
             return logp[sel], (entropy[sel] if entropy is not None else None)
         # Position t of a sample predicts its token t + 1: sel's columns are positions 0 .. L-2 of each row.
         return padded, torch.nonzero(torch.nn.functional.pad(sel, (0, 1)).reshape(-1)).flatten()
+
+    def context_logprobs(self, packed: Packed, pad_id: int):
+        """`logprobs` of a packed micro-batch under context parallelism: this rank's W / cp positions of each row go
+        through the model (attention exchanging heads over the context group), its targets' logprobs are gathered from
+        the group, so every rank gets all N in order; the flat positions are this rank's own forward's."""
+        chunk, temperature = self.cfg.trainer.logprob_chunk_tokens, self.cfg.algo.temperature
+        sp = context.split(packed, self.context, pad_id)
+
+        def f(m, with_entropy=False):
+            with context.exchange(self.context):
+                logp, entropy = packed_logprobs(m, sp.local, temperature, with_entropy, chunk)
+            return context.gather(logp, sp), (context.gather(entropy, sp) if entropy is not None else None)
+        return f, sp.local.predictors
 
     def idle_pass(self, model: torch.nn.Module, pad_id: int, backward: bool = True) -> None:
         """A forward (and backward) that adds nothing to the gradients, for a rank with fewer micro-batches than others:

@@ -1,0 +1,285 @@
+"""Context parallelism (config `trainer.cp`): each packed micro-batch is split along the sequence over `cp` ranks, so a
+rank holds W / cp of every row's tokens, activations and output-head work.
+
+How attention sees the whole row: all-to-all head sharding (DeepSpeed-Ulysses). In each attention layer the `cp`
+ranks exchange their queries, keys and values so that each gets every position of H / cp heads, runs the layer's own
+attention over the full row with the micro-batch's 4-D packing mask (samples never attend across their boundaries,
+exactly as on one rank), and exchanges the output back to its own positions. Everything else in a block (norms, MLP,
+experts, rotary embeddings with the row's position ids) works per token and runs on the local positions unchanged.
+Chosen over ring attention because it reuses the packing mask and the attention kernel as they are and is exact by
+construction; its limits: the attention heads must divide by cp (key/value heads that do not are repeated until they
+do), and the packing mask is held whole on each rank.
+
+Layout over a world of N = dp x cp ranks: the cp ranks of one context group are consecutive (rank = d * cp + c) and
+train the same samples; the step splits its batch over the dp groups. Parameters stay FSDP2-sharded over all N ranks
+(the cp ranks of a group hold different shards, like any other ranks) and expert parallelism composes unchanged: its
+all-to-all moves tokens, wherever in a row they sit.
+
+The loss: every rank of a group gathers the logprobs (and entropies) of all the micro-batch's targets from the group,
+so sequence-level terms (GSPO's ratio, per-sequence normalization) see whole samples, and each rank computes the same
+loss; the gather's backward keeps only this rank's own targets' gradients, so the group's ranks together contribute
+each target's gradient once. Statistics are counted on the group's first rank only.
+
+Forwards outside a step's micro-batches (the SFT warm start, idle passes, evaluation) run without the exchange: plain
+attention on whatever tokens the rank has.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import types
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+ATTENTION = "rlhpc_cp"  # the attention implementation a context-parallel model runs (registered with transformers)
+
+
+@dataclass(frozen=True)
+class ContextGroup:
+    """This rank's place among the cp ranks that share its samples."""
+
+    cp: int
+    rank: int  # position within the group: this rank holds positions [rank W/cp, (rank+1) W/cp) of each row
+    group: Optional[dist.ProcessGroup]
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+
+_GROUPS: Dict[Tuple[int, int], ContextGroup] = {}
+_ACTIVE: Optional[ContextGroup] = None  # set while a step's micro-batch runs its forward (`exchange`)
+
+
+def context_group(cp: int) -> ContextGroup:
+    """This rank's group of `cp` consecutive ranks. Collective the first time (every rank creates every group, in
+    the same order); later calls return the same group."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    key = (world, cp)
+    if key not in _GROUPS:
+        if world % cp:
+            raise ValueError(f"trainer.cp={cp} must divide the {world} trainer ranks")
+        mine = None
+        for d in range(world // cp):
+            g = dist.new_group(list(range(d * cp, (d + 1) * cp)))
+            if rank // cp == d:
+                mine = g
+        _GROUPS[key] = ContextGroup(cp=cp, rank=rank % cp, group=mine)
+    return _GROUPS[key]
+
+
+def install(model: torch.nn.Module, cp: int) -> ContextGroup:
+    """Makes `model` context-parallel over `cp` ranks: its attention layers run `ATTENTION`, which exchanges heads
+    while a step's micro-batch runs (`exchange`) and is the model's sdpa attention otherwise. Raises naming trainer.cp
+    when the model cannot (its heads do not divide by cp, or its attention is not transformers' pluggable kind)."""
+    register()
+    cfg = model.config
+    model_type = getattr(cfg, "model_type", "?")
+    impl = getattr(cfg, "_attn_implementation", "sdpa")
+    from rlhpc.train.step import NO_CUSTOM_MASK
+
+    if model_type in NO_CUSTOM_MASK:
+        raise ValueError(f"trainer.cp={cp}: {model_type}'s sparse attention picks its keys with its own indexer over "
+                         "the whole sequence, which context parallelism does not split (set trainer.cp=1)")
+    if impl not in ("sdpa", ATTENTION):
+        raise ValueError(f"trainer.cp={cp}: {model_type} runs attention {impl!r}; context parallelism runs sdpa "
+                         "attention with its packing mask")
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if not heads or heads % cp:
+        raise ValueError(f"trainer.cp={cp} must divide the model's {heads} attention heads (num_attention_heads): "
+                         "each of the cp ranks attends with heads / cp of them")
+    if heads % math.lcm(kv_heads, cp):
+        raise ValueError(f"trainer.cp={cp}: the model's {kv_heads} key/value heads cannot be repeated to a multiple "
+                         f"of cp that divides its {heads} attention heads")
+    cfg._attn_implementation = ATTENTION  # transformers' setter passes it on to sub-configs
+    group = context_group(cp)
+    log.info("context parallelism: each packed row split over %d ranks (this one holds part %d), attention over the "
+             "whole row with %d of the %d heads", cp, group.rank, heads // cp, heads)
+    return group
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # 2-D masks outside the exchange become sdpa's masks
+
+
+@contextmanager
+def exchange(group: Optional[ContextGroup]):
+    """Within: the model's attention layers exchange heads over `group` (None: nothing changes)."""
+    global _ACTIVE
+    if group is None or group.cp == 1:
+        yield
+        return
+    before, _ACTIVE = _ACTIVE, group
+    try:
+        yield
+    finally:
+        _ACTIVE = before
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+              **kwargs):
+    """transformers' attention signature: query [B, H, S, D], key/value [B, Hkv, S, D] of this rank's S positions ->
+    output [B, S, H, D]. Under `exchange`, S = W / cp and attention runs over the whole row W (the mask is [B, 1, W, W])
+    with H / cp heads on each rank."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    group = _ACTIVE
+    if group is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    cp, S = group.cp, query.shape[2]
+    W = S * cp
+    if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[-1] != W:
+        got = None if attention_mask is None else tuple(attention_mask.shape)
+        raise RuntimeError(f"context parallelism needs the packed rows' 4-D mask over all {W} positions, got {got}")
+    groups = getattr(module, "num_key_value_groups", 1)
+    repeat = math.lcm(key.shape[1], cp) // key.shape[1]  # key/value heads repeated until cp divides them
+    if repeat > 1:
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    q, k, v = (_SeqToHeads.apply(t, group) for t in (query, key, value))
+    shim = types.SimpleNamespace(num_key_value_groups=groups // repeat, is_causal=getattr(module, "is_causal", True),
+                                 layer_idx=getattr(module, "layer_idx", None), training=module.training)
+    out, _ = sdpa_attention_forward(shim, q, k, v, attention_mask, dropout=dropout, scaling=scaling,
+                                    is_causal=is_causal, **kwargs)  # [B, W, H/cp, D]
+    return _HeadsToSeq.apply(out, group), None
+
+
+def _exchange(x: torch.Tensor, group: ContextGroup) -> torch.Tensor:
+    """x [cp, ...]: part j goes to rank j of the group; returns [cp, ...] with part j from rank j."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group.group)
+    return out
+
+
+def _seq_to_heads(x: torch.Tensor, group: ContextGroup) -> torch.Tensor:
+    B, H, S, D = x.shape
+    cp = group.cp
+    parts = x.reshape(B, cp, H // cp, S, D).transpose(0, 1)  # [cp (head block), B, H/cp, S, D]
+    got = _exchange(parts, group)  # [cp (source rank = position block), B, H/cp, S, D]
+    return got.permute(1, 2, 0, 3, 4).reshape(B, H // cp, cp * S, D)
+
+
+def _heads_to_seq_bwd(g: torch.Tensor, group: ContextGroup) -> torch.Tensor:
+    """The inverse of _seq_to_heads: [B, H/cp, W, D] -> [B, H, W/cp, D]."""
+    B, h, W, D = g.shape
+    cp = group.cp
+    parts = g.reshape(B, h, cp, W // cp, D).permute(2, 0, 1, 3, 4)  # [cp (position block), B, h, S, D]
+    got = _exchange(parts, group)  # [cp (head block), B, h, S, D]
+    return got.transpose(0, 1).reshape(B, h * cp, W // cp, D)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """[B, H, S, D] of this rank's positions -> [B, H/cp, W, D] of this rank's heads; backward the inverse."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq_bwd(grad, ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    """Attention output [B, W, H/cp, D] of this rank's heads -> [B, S, H, D] of its positions; backward the inverse."""
+
+    @staticmethod
+    def forward(ctx, out, group):
+        ctx.group = group
+        return _heads_to_seq_bwd(out.transpose(1, 2), group).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad.transpose(1, 2), ctx.group).transpose(1, 2), None
+
+
+# ---- a packed micro-batch split over the group ------------------------------------------------------------------
+
+
+def pad_to_multiple(packed, multiple: int, pad_id: int):
+    """`packed` (rlhpc/train/batching.py Packed) widened with padding to a multiple of `multiple` positions. A padding
+    position attends to itself only; predictors are re-indexed to the new width."""
+    from rlhpc.train.batching import Packed
+
+    R, W = packed.input_ids.shape
+    width = -(-W // multiple) * multiple
+    if width == W:
+        return packed
+    extra = width - W
+    ids = torch.nn.functional.pad(packed.input_ids, (0, extra), value=pad_id)
+    pos = torch.nn.functional.pad(packed.position_ids, (0, extra), value=0)
+    mask = torch.nn.functional.pad(packed.attention_mask, (0, extra, 0, extra), value=False)
+    idx = torch.arange(W, width, device=mask.device)
+    mask[:, :, idx, idx] = True
+    predictors = packed.predictors // W * width + packed.predictors % W
+    return Packed(ids, pos, mask, predictors, packed.targets)
+
+
+@dataclass
+class Split:
+    """A packed micro-batch as one rank of a context group sees it: its positions of each row (`local`, a Packed of
+    width W / cp whose predictors index the local positions and whose mask is the whole row's), and which of the
+    micro-batch's N targets it predicts (`mine`, indices into the N, in order) and how many each rank does."""
+
+    local: object
+    mine: torch.Tensor
+    owners: torch.Tensor  # long [N]: the group rank whose positions predict each target
+    group: ContextGroup
+
+
+def split(packed, group: ContextGroup, pad_id: int) -> Split:
+    from rlhpc.train.batching import Packed
+
+    packed = pad_to_multiple(packed, group.cp, pad_id)
+    R, W = packed.input_ids.shape
+    S = W // group.cp
+    lo = group.rank * S
+    row, pos = packed.predictors // W, packed.predictors % W
+    owners = pos // S
+    mine = torch.nonzero(owners == group.rank).flatten()
+    local = Packed(packed.input_ids[:, lo : lo + S], packed.position_ids[:, lo : lo + S], packed.attention_mask,
+                   row[mine] * S + (pos[mine] - lo), packed.targets[mine])
+    return Split(local, mine, owners, group)
+
+
+class _Gather(torch.autograd.Function):
+    """Each rank's values of its own targets -> all N targets' values, in order, on every rank of the group. Every
+    rank then computes the same loss from them, so the backward keeps this rank's own targets' gradient as it is."""
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, mine: torch.Tensor, owners: torch.Tensor, group: ContextGroup):
+        ctx.mine = mine
+        counts = torch.bincount(owners, minlength=group.cp)
+        width = max(int(counts.max()) if counts.numel() else 0, 1)  # gloo wants a non-empty tensor
+        send = values.new_zeros(width)
+        send[: values.numel()] = values
+        got = values.new_empty(group.cp * width)
+        dist.all_gather_into_tensor(got, send, group=group.group)
+        got = got.view(group.cp, width)
+        out = values.new_empty(owners.numel())
+        for c in range(group.cp):
+            where = torch.nonzero(owners == c).flatten()
+            out[where] = got[c, : where.numel()]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.mine], None, None, None
+
+
+def gather(values: torch.Tensor, sp: Split) -> torch.Tensor:
+    return _Gather.apply(values, sp.mine.to(values.device), sp.owners.to(values.device), sp.group)
