@@ -5,8 +5,6 @@ one rank's within 1e-5 in float32, on gloo ranks. A run with trainer.cp=2 goes e
 refused naming the key."""
 
 import json
-import multiprocessing as mp
-from pathlib import Path
 
 import pytest
 import torch
