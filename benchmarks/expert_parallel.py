@@ -32,13 +32,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing as mp
 import statistics
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 from pathlib import Path
 
 import torch
@@ -46,63 +43,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TIMEOUT = 300.0  # seconds any one wait on the ranks may take
-
-
-def _kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS
-        f.write("5")
-
-
-def on_ranks(target, world: int, args: tuple) -> list:
-    """`target(rank, world, port, *args, queue)` on `world` forkserver processes; each rank's result, by rank.
-    Every wait has a timeout, and every process is ended (killed if it does not exit)."""
-    from rlhpc.procs import free_port
-
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "rlhpc.train.trainer"])
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_guarded, args=(target, r, world, port, args, out), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            status, rank, value = out.get(timeout=TIMEOUT)
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} of {world} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-    return [results[r] for r in range(world)]
-
-
-def _guarded(target, rank, world, port, args, out) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renames of the collectives rlhpc calls
-    try:
-        out.put(("ok", rank, target(rank, world, port, *args)))
-    except BaseException:  # noqa: BLE001
-        out.put(("error", rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
+from ranks import kb, on_ranks, reset_peak  # noqa: E402
 
 # (a) the token exchange ------------------------------------------------------------------------------------------
 
@@ -235,8 +176,8 @@ def step_rank(rank: int, world: int, port: int, root: str, ep: int, groups: int,
     batch = make_batch(len(tr.tokenizer), groups, group_size)
     loss = tr.train_step(0, batch)["loss/total"]  # warm-up: also creates the optimizer's state
     dist.barrier()
-    base = _kb("VmRSS")
-    _reset_peak()
+    base = kb("VmRSS")
+    reset_peak()
     times = []
     for step in range(1, steps + 1):
         dist.barrier()
@@ -244,7 +185,7 @@ def step_rank(rank: int, world: int, port: int, root: str, ep: int, groups: int,
         tr.train_step(step, batch)
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    return {"times": times, "peak_kb": _kb("VmHWM") - base, "loss": loss}
+    return {"times": times, "peak_kb": kb("VmHWM") - base, "loss": loss}
 
 
 def step_table(args) -> list:

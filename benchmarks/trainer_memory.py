@@ -19,32 +19,19 @@ full copy rank 0 kept for it when N > 1, before that change, is what `--eval-cop
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ranks import kb, on_ranks, reset_peak  # noqa: E402
+
 MB = 1 << 20
-
-
-def _kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS
-        f.write("5")
 
 
 def _batch(vocab: int, groups: int, seed: int = 0):
@@ -68,77 +55,53 @@ def _batch(vocab: int, groups: int, seed: int = 0):
     )
 
 
-def rank_main(root: str, rank: int, world: int, port: int, full_load: bool, eval_copy: bool, out) -> None:
-    try:
-        import torch.distributed as dist
+def rank_main(rank: int, world: int, port: int, root: str, full_load: bool, eval_copy: bool) -> dict:
+    import torch.distributed as dist
 
-        from rlhpc import config as config_mod
-        from rlhpc import models
-        from rlhpc.identity import Identity
-        from rlhpc.rundir import RunDir
-        from rlhpc.train import checkpoint
-        from rlhpc.train.optim import make_optimizer
-        from rlhpc.train.trainer import Trainer
+    from rlhpc import config as config_mod
+    from rlhpc import models
+    from rlhpc.identity import Identity
+    from rlhpc.rundir import RunDir
+    from rlhpc.train import checkpoint
+    from rlhpc.train.optim import make_optimizer
+    from rlhpc.train.trainer import Trainer
 
-        run = RunDir(Path(root))
-        cfg = config_mod.to_typed({"run_dir": root, "trainer": {
-            "num_ranks": world, "fsdp": True, "groups_per_step": world * 2, "micro_batch_tokens": 4096}})
-        tr = Trainer(cfg, Identity("trainer", rank, world, Path(root), "t", "127.0.0.1", port), run)
-        tr.tokenizer = models.load_tokenizer(run.model)
-        dist.barrier()
-        base = _kb("VmRSS")
-        _reset_peak()
-        t0 = time.time()
-        if full_load:  # the path before sharded loading: the whole model on every rank, then sharded
-            tr.model = tr.wrap(models.load_model(run.model))
-            tr.optimizer = make_optimizer(tr.model.parameters(), cfg.trainer.optim)
-            tr.scheduler = torch.optim.lr_scheduler.LambdaLR(tr.optimizer, lambda s: 1.0)
-            tr.reference = None
-        else:
-            tr.setup_model()
-        eval_model = models.load_model(run.model) if eval_copy and rank == 0 and world > 1 else None
-        dist.barrier()
-        peaks = {"load": _kb("VmHWM")}
-        t_load = time.time() - t0
-        stats = tr.train_step(0, _batch(len(tr.tokenizer), world))
-        dist.barrier()
-        peaks["step"] = _kb("VmHWM")
-        t_step = time.time() - t0 - t_load
-        checkpoint.save(run.checkpoints / f"ranks_{world}", 1, tr.model, tr.optimizer, tr.scheduler, {"eval_curve": []})
-        peaks["checkpoint"] = _kb("VmHWM")
-        t_ckpt = time.time() - t0 - t_load - t_step
-        params = sum(p.numel() for p in tr.model.parameters())
-        out.put(("ok", rank, {"base": base, **peaks, "loss": stats["loss/total"], "params": params,
-                              "times": (t_load, t_step, t_ckpt), "eval_copy": eval_model is not None}))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        out.put(("error", rank, traceback.format_exc()))
+    run = RunDir(Path(root))
+    cfg = config_mod.to_typed({"run_dir": root, "trainer": {
+        "num_ranks": world, "fsdp": True, "groups_per_step": world * 2, "micro_batch_tokens": 4096}})
+    tr = Trainer(cfg, Identity("trainer", rank, world, Path(root), "t", "127.0.0.1", port), run)
+    tr.tokenizer = models.load_tokenizer(run.model)
+    dist.barrier()
+    base = kb("VmRSS")
+    reset_peak()
+    t0 = time.time()
+    if full_load:  # the path before sharded loading: the whole model on every rank, then sharded
+        tr.model = tr.wrap(models.load_model(run.model))
+        tr.optimizer = make_optimizer(tr.model.parameters(), cfg.trainer.optim)
+        tr.scheduler = torch.optim.lr_scheduler.LambdaLR(tr.optimizer, lambda s: 1.0)
+        tr.reference = None
+    else:
+        tr.setup_model()
+    eval_model = models.load_model(run.model) if eval_copy and rank == 0 and world > 1 else None
+    dist.barrier()
+    peaks = {"load": kb("VmHWM")}
+    t_load = time.time() - t0
+    stats = tr.train_step(0, _batch(len(tr.tokenizer), world))
+    dist.barrier()
+    peaks["step"] = kb("VmHWM")
+    t_step = time.time() - t0 - t_load
+    checkpoint.save(run.checkpoints / f"ranks_{world}", 1, tr.model, tr.optimizer, tr.scheduler, {"eval_curve": []})
+    peaks["checkpoint"] = kb("VmHWM")
+    t_ckpt = time.time() - t0 - t_load - t_step
+    params = sum(p.numel() for p in tr.model.parameters())
+    dist.barrier()
+    return {"base": base, **peaks, "loss": stats["loss/total"], "params": params,
+            "times": (t_load, t_step, t_ckpt), "eval_copy": eval_model is not None}
 
 
 def measure(root: str, world: int, full_load: bool, eval_copy: bool, timeout: float) -> list:
-    from rlhpc.procs import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(root, r, world, port, full_load, eval_copy, out), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            status, rank, value = out.get(timeout=timeout)
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} of {world} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
+    """Each rank a fresh interpreter with torch's default threads, so its baseline holds only what it imports."""
+    return on_ranks(rank_main, world, (root, full_load, eval_copy), start="spawn", threads=None, timeout=timeout)
 
 
 def main() -> None:

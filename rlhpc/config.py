@@ -408,6 +408,10 @@ class LauncherConfig:
     progress: bool = True
     # Slurm launchers: submit the job script; false only writes it to run_dir/job.sbatch (to submit by hand).
     submit: bool = True
+    # launcher=local: a role waiting on the other (workers on back-pressure, the trainer on rollouts) lends its threads
+    # (trainer.threads, inference.threads), and the other role's processes use them until it works again, never more
+    # than the machine's cores (rlhpc/cores.py). Off by default: not yet shown to pay (docs/performance.md).
+    lend_cores: bool = False
 
 
 @dataclass

@@ -24,6 +24,8 @@ LAYOUTS = {
     "cp2": (2, 2, {}),
     "cp4_chunked": (4, 4, {"logprob_chunk_tokens": 5}),
     "dp2_cp2_micro": (4, 2, {"micro_batch_tokens": 64}),
+    # each block recomputed in the backward, outside the step's exchange: it must split the row again
+    "cp2_checkpointed": (2, 2, {"activation_checkpointing": True}),
 }
 ALGOS = {"grpo_token": {}, "gspo_sequence": {"name": "gspo", "normalize": "sequence"}}
 

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from rlhpc import cores
 from rlhpc import env as env_mod
 from rlhpc import models
 from rlhpc.config import Config
@@ -79,6 +80,7 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
     if getattr(engine, "supports_inflight_updates", False) and cfg.inference.inflight_updates and receiver.gate is None:
         engine.weight_updates = receiver.poll  # vLLM swaps weights between decode steps of a long generation
     metrics = Metrics(run, "inference", rank)
+    idle, borrower = _lending(cfg, run, rank, engine)
     # The first worker of the launch evaluates; restarted ones take over what is not evaluated yet, attached ones never.
     heldout = HeldoutEval(cfg, run, env, pool, tokenizer) if rank == 0 and not ident.attached else None
     producer = f"w{rank}a{ident.attempt}" + (f"r{ident.restart}" if ident.restart else "")  # unique file names
@@ -120,10 +122,14 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
         if (progress["claimed"], version) != seen:  # the run moved: the idle clock starts again
             seen, t_last = (progress["claimed"], version), time.time()
         if pending_groups >= cfg.queue.max_pending_steps * per_step or version < target - cfg.async_level:
+            if borrower is not None:
+                borrower.release()
+            idle.set(True)  # back-pressure: the trainer may use this worker's threads meanwhile
             waited += receiver.wait(backoff.next())  # new weights end the wait early
             _check_idle(cfg, rank, t_last, version, f"trainer claimed {progress['claimed']} steps")
             continue
         backoff.reset()
+        idle.set(False)
         t0 = time.time()
         queue.begin_batch(producer)
         try:
@@ -150,6 +156,7 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
             "perf/generate_s": gen_s,
             "perf/tokens_per_s": completion / gen_s,
             "perf/idle_s": waited,
+            **({"perf/borrowed_threads_s": borrower.take_borrowed_s()} if borrower is not None else {}),
             "weights/version": version,
             "queue/pending_groups": pending_groups,
             **env_totals,
@@ -158,9 +165,23 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
         seq += 1
         waited = 0.0
         t_last = time.time()
+    idle.set(False)
     log.info("worker %d done after %d batches (weights version %d)", rank, seq, version)
     metrics.close()
     receiver.close()
+
+
+def _lending(cfg: Config, run: RunDir, rank: int, engine):
+    """This worker's idle mark, and the borrower of the trainer's threads while it waits for rollouts (the
+    transformers engine on the CPU only: vLLM runs its own threads), on one machine (rlhpc/cores.py)."""
+    lend = cores.enabled(cfg)
+    idle = cores.Idle(run, "inference", rank, cfg.inference.threads, enabled=lend)
+    model = getattr(engine, "model", None)
+    if not (lend and isinstance(model, torch.nn.Module) and next(model.parameters()).device.type == "cpu"):
+        return idle, None
+    borrower = cores.Borrower(run, "trainer", cfg.inference.threads, borrowers=cfg.inference.num_workers)
+    borrower.attach(model)
+    return idle, borrower
 
 
 def _check_idle(cfg: Config, rank: int, t_last: float, version: int, why: str) -> None:

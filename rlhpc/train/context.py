@@ -56,6 +56,7 @@ class ContextGroup:
 
 _GROUPS: Dict[Tuple[int, int], ContextGroup] = {}
 _ACTIVE: Optional[ContextGroup] = None  # set while a step's micro-batch runs its forward (`exchange`)
+_INSTALLED: Optional[ContextGroup] = None  # the group of the installed model: a recompute in the backward finds it
 
 
 def context_group(cp: int) -> ContextGroup:
@@ -100,7 +101,8 @@ def install(model: torch.nn.Module, cp: int) -> ContextGroup:
         raise ValueError(f"trainer.cp={cp}: the model's {kv_heads} key/value heads cannot be repeated to a multiple "
                          f"of cp that divides its {heads} attention heads")
     cfg._attn_implementation = ATTENTION  # transformers' setter passes it on to sub-configs
-    group = context_group(cp)
+    global _INSTALLED
+    group = _INSTALLED = context_group(cp)
     log.info("context parallelism: each packed row split over %d ranks (this one holds part %d), attention over the "
              "whole row with %d of the %d heads", cp, group.rank, heads // cp, heads)
     return group
@@ -136,6 +138,9 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     group = _ACTIVE
+    if group is None and _INSTALLED is not None and attention_mask is not None and attention_mask.dim() == 4 \
+            and attention_mask.shape[-1] == query.shape[2] * _INSTALLED.cp:
+        group = _INSTALLED  # activation checkpointing recomputes a split row's block in the backward, outside `exchange`
     if group is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)

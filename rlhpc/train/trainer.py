@@ -20,6 +20,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from rlhpc import cores
 from rlhpc import env as env_mod
 from rlhpc import models
 from rlhpc.config import Config
@@ -66,6 +67,10 @@ class Trainer:
         # Steps skipped for non-finite values (rlhpc/train/guard.py); too many in a row stop the run.
         self.bad_steps = BadSteps(cfg.trainer.max_bad_steps, report=self.is_main)
         self.stepper = Step(cfg, self.rank, self.world, self.device, self.bad_steps)
+        # One machine (launcher=local): threads lent to and borrowed from the inference workers (rlhpc/cores.py).
+        lend = cores.enabled(cfg) and self.device.type == "cpu"
+        self.idle = cores.Idle(run, "trainer", self.rank, cfg.trainer.threads, enabled=lend)
+        self.borrower = cores.Borrower(run, "inference", cfg.trainer.threads, borrowers=self.world) if lend else None
         self.metrics: Optional[Metrics] = Metrics(run, "trainer", self.rank) if self.is_main else None
         self.summary: Dict = {}
         self.publisher = Publisher(cfg, ident, run)
@@ -97,9 +102,12 @@ class Trainer:
             if stop_requested():
                 return self.stop(step)
             try:
+                self.lend(True)  # waiting for rollouts: the workers may use this rank's threads
                 claim = self.claims.claim(step)
             except Stop:
                 return self.stop(step)
+            finally:
+                self.lend(False)
             stats = self.train_step(step, claim.batch)
             t_pub = time.time()
             self.publish(step + 1)
@@ -211,6 +219,8 @@ class Trainer:
         With `load_weights=False` the policy's parameters are left for a DCP checkpoint to fill."""
         cfg = self.cfg
         self.model = self.build_model(load_weights)
+        if self.borrower is not None:
+            self.borrower.attach(self.model)
         self.router_stats = RouterStats(self.model)
         self.optimizer = make_optimizer(self.model.parameters(), cfg.trainer.optim)
         # The frozen policy RL starts from, for a KL penalty against it (algo.ref_kl_coef).
@@ -252,9 +262,17 @@ class Trainer:
         router's (tokens per expert over all ranks) for a MoE model. Collective with FSDP."""
         stats = self.stepper(step, batch, self.model, self.optimizer, self.scheduler, self.reference,
                              self.tokenizer.pad_token_id)
+        if self.borrower is not None:
+            stats["perf/borrowed_threads_s"] = self.borrower.take_borrowed_s()
         if self.router_stats is not None:
             stats.update(self.router_stats.collect())
         return stats
+
+    def lend(self, idle: bool) -> None:
+        """Marks this rank idle (waiting for rollouts: its threads are lent to the workers) or busy again."""
+        if idle and self.borrower is not None:
+            self.borrower.release()
+        self.idle.set(idle)
 
     def publish(self, version: int) -> None:
         """The weights as `version` to the workers. Collective with FSDP."""
