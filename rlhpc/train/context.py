@@ -84,7 +84,7 @@ def install(model: torch.nn.Module, cp: int) -> ContextGroup:
     cfg = model.config
     model_type = getattr(cfg, "model_type", "?")
     impl = getattr(cfg, "_attn_implementation", "sdpa")
-    from rlhpc.train.step import NO_CUSTOM_MASK
+    from rlhpc.train.batching import NO_CUSTOM_MASK
 
     if model_type in NO_CUSTOM_MASK:
         raise ValueError(f"trainer.cp={cp}: {model_type}'s sparse attention picks its keys with its own indexer over "

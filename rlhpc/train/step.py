@@ -15,17 +15,14 @@ from rlhpc.algo import loss as loss_mod
 from rlhpc.algo.loss import LossInputs
 from rlhpc.config import Config
 from rlhpc.train import context
-from rlhpc.train.batching import (Packed, balance_ranks, pack, packed_logprobs, pad, plan_micro_batches, plan_rows,
-                                  token_logprobs)
+from rlhpc.train.batching import (NO_CUSTOM_MASK, Packed, balance_ranks, pack, packed_logprobs, pad,
+                                  plan_micro_batches, plan_rows, token_logprobs)
 from rlhpc.train.experts import RouterBalance
 from rlhpc.train.guard import BadSteps, nonfinite_advantages, nonfinite_groups, nonfinite_update
 from rlhpc.train.parallel import autocast, decoder_blocks
 from rlhpc.transport.queue import RolloutBatch
 
 
-# Models whose attention does not follow a custom attention mask: GLM-5's sparse attention picks its keys by its own
-# indexer (tests/test_packing.py). Their samples are padded one per row whatever trainer.packing says.
-NO_CUSTOM_MASK = ("glm_moe_dsa", "deepseek_v32")
 
 
 def packs(model: torch.nn.Module) -> bool:
