@@ -26,16 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rlhpc import models  # noqa: E402
 from rlhpc.train.batching import token_logprobs  # noqa: E402
 from rlhpc.config import ModelConfig  # noqa: E402
+from ranks import kb  # noqa: E402
 
 MB = 1 << 20
 
 
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1])
-    raise KeyError(key)
 
 
 def measure(model_dir: str, tokens: int, chunk: int, device: str, temperature: float, out) -> None:
@@ -53,7 +48,7 @@ def measure(model_dir: str, tokens: int, chunk: int, device: str, temperature: f
     else:
         with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current resident set
             f.write("5")
-        base = _status_kb("VmRSS") * 1024
+        base = kb("VmRSS") * 1024
     t0 = time.perf_counter()
     lp, ent = token_logprobs(model, ids, attn, temperature, with_entropy=True, chunk_tokens=chunk)
     (lp * weights).sum().backward()
@@ -61,7 +56,7 @@ def measure(model_dir: str, tokens: int, chunk: int, device: str, temperature: f
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = _status_kb("VmHWM") * 1024
+        peak = kb("VmHWM") * 1024
     out.put((chunk, peak - base, time.perf_counter() - t0, float(lp.detach().sum()), float(ent.sum())))
 
 

@@ -20,8 +20,9 @@ so sequence-level terms (GSPO's ratio, per-sequence normalization) see whole sam
 loss; the gather's backward keeps only this rank's own targets' gradients, so the group's ranks together contribute
 each target's gradient once. Statistics are counted on the group's first rank only.
 
-Forwards outside a step's micro-batches (the SFT warm start, idle passes, evaluation) run without the exchange: plain
-attention on whatever tokens the rank has.
+The mask says which rows are split: a 4-D mask over cp times the positions a layer got (a step's micro-batch, also
+when activation checkpointing recomputes its blocks in the backward) exchanges heads; anything else (idle passes, the
+SFT warm start, evaluation) is plain sdpa attention on whatever tokens the rank has.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import logging
 import math
 import types
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -55,8 +55,7 @@ class ContextGroup:
 
 
 _GROUPS: Dict[Tuple[int, int], ContextGroup] = {}
-_ACTIVE: Optional[ContextGroup] = None  # set while a step's micro-batch runs its forward (`exchange`)
-_INSTALLED: Optional[ContextGroup] = None  # the group of the installed model: a recompute in the backward finds it
+_INSTALLED: Optional[ContextGroup] = None  # the group of the installed model
 
 
 def context_group(cp: int) -> ContextGroup:
@@ -77,8 +76,8 @@ def context_group(cp: int) -> ContextGroup:
 
 
 def install(model: torch.nn.Module, cp: int) -> ContextGroup:
-    """Makes `model` context-parallel over `cp` ranks: its attention layers run `ATTENTION`, which exchanges heads
-    while a step's micro-batch runs (`exchange`) and is the model's sdpa attention otherwise. Raises naming trainer.cp
+    """Makes `model` context-parallel over `cp` ranks: its attention layers run `ATTENTION`, which exchanges heads for
+    a split row and is the model's sdpa attention otherwise. Raises naming trainer.cp
     when the model cannot (its heads do not divide by cp, or its attention is not transformers' pluggable kind)."""
     register()
     cfg = model.config
@@ -113,42 +112,23 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTENTION, attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # 2-D masks outside the exchange become sdpa's masks
-
-
-@contextmanager
-def exchange(group: Optional[ContextGroup]):
-    """Within: the model's attention layers exchange heads over `group` (None: nothing changes)."""
-    global _ACTIVE
-    if group is None or group.cp == 1:
-        yield
-        return
-    before, _ACTIVE = _ACTIVE, group
-    try:
-        yield
-    finally:
-        _ACTIVE = before
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # 2-D masks (unsplit forwards) become sdpa's masks
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
               **kwargs):
     """transformers' attention signature: query [B, H, S, D], key/value [B, Hkv, S, D] of this rank's S positions ->
-    output [B, S, H, D]. Under `exchange`, S = W / cp and attention runs over the whole row W (the mask is [B, 1, W, W])
-    with H / cp heads on each rank."""
+    output [B, S, H, D]. For a split row, S = W / cp and the mask is the whole row's [B, 1, W, W]: attention runs over
+    all W positions with H / cp heads on each rank."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    group = _ACTIVE
-    if group is None and _INSTALLED is not None and attention_mask is not None and attention_mask.dim() == 4 \
-            and attention_mask.shape[-1] == query.shape[2] * _INSTALLED.cp:
-        group = _INSTALLED  # activation checkpointing recomputes a split row's block in the backward, outside `exchange`
-    if group is None:
+    group = _INSTALLED
+    split = (group is not None and group.cp > 1 and attention_mask is not None and attention_mask.dim() == 4
+             and attention_mask.shape[-1] == query.shape[2] * group.cp)
+    if not split:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    cp, S = group.cp, query.shape[2]
-    W = S * cp
-    if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[-1] != W:
-        got = None if attention_mask is None else tuple(attention_mask.shape)
-        raise RuntimeError(f"context parallelism needs the packed rows' 4-D mask over all {W} positions, got {got}")
+    cp = group.cp
     groups = getattr(module, "num_key_value_groups", 1)
     repeat = math.lcm(key.shape[1], cp) // key.shape[1]  # key/value heads repeated until cp divides them
     if repeat > 1:

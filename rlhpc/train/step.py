@@ -262,8 +262,7 @@ class Step:
         sp = context.split(packed, self.context, pad_id)
 
         def f(m, with_entropy=False):
-            with context.exchange(self.context):
-                logp, entropy = packed_logprobs(m, sp.local, temperature, with_entropy, chunk)
+            logp, entropy = packed_logprobs(m, sp.local, temperature, with_entropy, chunk)
             return context.gather(logp, sp), (context.gather(entropy, sp) if entropy is not None else None)
         return f, sp.local.predictors
 
