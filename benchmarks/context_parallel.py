@@ -4,6 +4,7 @@ budget at cp = 1, 2, 4, and what cp does to a step's memory and time at one fixe
     python benchmarks/context_parallel.py [--cps 1 2 4] [--budget-mb 400] [--start 1024] [--resolution 0.07]
                                           [--fixed-tokens 4096] [--hidden 256] [--layers 4] [--heads 8]
                                           [--kv-heads 4] [--activation-checkpointing off|on|both]
+                                          [--block-elements 4194304] [--no-baseline]
 
 For each cp, `cp` ranks (forkserver processes, one thread each) form one context group (dp = 1) and train a dense
 Qwen3 built in code (hidden `hidden`, `layers` layers, `heads` attention heads) with the rlhpc Trainer
@@ -25,13 +26,13 @@ of 64). The first table gives the longest L that fit, its ratio to cp=1's, the p
 (slowest rank); the second, every cp at `fixed-tokens`: peak and seconds per step (median of 2 steps) against cp=1.
 `--activation-checkpointing on` sets trainer.activation_checkpointing; `both` runs everything without, then with it.
 
-What is quadratic in L on every rank, whatever cp, so that L cannot grow linearly with cp: the packed row's attention
-mask, bool [1, 1, W, W], which rlhpc/train/context.py keeps whole on each rank (the all-to-all gives each rank every
-position of H / cp heads), and what torch's CPU sdpa makes of it. Given a mask, CPU sdpa runs its flash kernel (the
-scores are computed in blocks, never W x W per head) but first turns a bool mask into a float one, W x W x 4 bytes, on
-every call, and its backward keeps that copy: one per layer. So a step holds W x W x (1 + 4 x layers) bytes without
-activation checkpointing and about W x W x 5 with it (a layer's copy lives from its recomputation to its backward);
-the column "W x W MiB" prints that at each longest L. What is linear: the activations, L / cp positions per rank.
+What would be quadratic in L on every rank, whatever cp: the packed row's attention mask, [W, W], and sdpa's float
+copy of it that autograd keeps for every layer (W x W x (1 + 4 x layers) bytes without activation checkpointing).
+rlhpc's attention (rlhpc/train/attention.py) builds the mask from the row's segments one block of queries at a time
+(`trainer.attention_block_elements`) and recomputes each block in the backward, so what a rank holds is linear: L / cp
+positions' activations, and the whole row's q, k, v for H / cp heads in the layer that runs. The first row of each
+table, "whole", is cp = 1 with the whole mask at once (attention_block_elements above W x W), the way packed rows
+attended before: the alternative the others are measured against, beside cp = 1 in blocks.
 
 The defaults take about 5 minutes on 2 cores (twice that and more with `both`). Wall-clock times on a shared CPU are
 noisy, and cp=4 puts 4 single-thread ranks on however many cores there are.
@@ -73,8 +74,8 @@ def make_batch(vocab: int, tokens: int, seed: int = 0):
     )
 
 
-def search_rank(rank: int, world: int, port: int, root: str, checkpointing: bool, budget_kb: int, start: int,
-                resolution: float, max_tokens: int, fixed: int) -> dict:
+def search_rank(rank: int, world: int, port: int, root: str, checkpointing: bool, block_elements: int, budget_kb: int,
+                start: int, resolution: float, max_tokens: int, fixed: int) -> dict:
     """On each of the cp ranks: the doubling-and-bisection search, then the fixed length. Every decision is taken on
     the group's maximum, so all ranks probe the same lengths."""
     import torch.distributed as dist
@@ -89,7 +90,7 @@ def search_rank(rank: int, world: int, port: int, root: str, checkpointing: bool
     row = 1 << 30  # one micro-batch, one row, whatever L
     cfg = config_mod.to_typed({"run_dir": root, "trainer": {
         "num_ranks": world, "cp": world, "groups_per_step": 1, "micro_batch_tokens": row, "pack_row_tokens": row,
-        "activation_checkpointing": checkpointing}})
+        "activation_checkpointing": checkpointing, "attention_block_elements": block_elements}})
     tr = Trainer(cfg, Identity("trainer", rank, world, Path(root), "t", "127.0.0.1", port), run)
     tr.tokenizer = models.load_tokenizer(run.model)
     tr.setup_model()
@@ -135,21 +136,20 @@ def search_rank(rank: int, world: int, port: int, root: str, checkpointing: bool
     return {"longest": lo, "probes": probes, "fixed": at_fixed, "params": params}
 
 
-def quadratic_mb(tokens: int, cp: int, layers: int, checkpointing: bool) -> float:
-    """The W x W bytes on every rank at this length: the bool mask (1 byte a pair) and sdpa's float copies of it (4
-    bytes a pair each), one per layer kept for the backward, or one at a time with activation checkpointing."""
-    width = -(-tokens // cp) * cp
-    return width * width * (1 + 4 * (1 if checkpointing else layers)) / 2**20
+WHOLE = 1 << 62  # attention_block_elements above any W x W: the whole mask at once
 
 
 def run_all(args, root: str, checkpointing: bool) -> tuple:
+    """Rows (label, cp, longest L, its peak MiB and s/step, the probes) and (label, cp, peak MiB, s/step) at the fixed
+    length: "whole" first (cp = 1, the whole mask), then every cp in blocks."""
+    layouts = ([("whole", 1, WHOLE)] if args.baseline else []) + [("blocks", cp, args.block_elements) for cp in args.cps]
     rows, fixed, params = [], [], 0
-    for cp in args.cps:
-        r = on_ranks(search_rank, cp, (root, checkpointing, args.budget_mb * 1024, args.start, args.resolution,
-                                       args.max_tokens, args.fixed_tokens))[0]
+    for label, cp, elements in layouts:
+        r = on_ranks(search_rank, cp, (root, checkpointing, elements, args.budget_mb * 1024, args.start,
+                                       args.resolution, args.max_tokens, args.fixed_tokens))[0]
         peak, sec = r["probes"].get(r["longest"], (float("nan"), float("nan")))
-        rows.append((cp, r["longest"], peak / 1024, sec, sorted(r["probes"].items())))
-        fixed.append((cp, max(p for p, _ in r["fixed"]) / 1024, statistics.median(s for _, s in r["fixed"])))
+        rows.append((label, cp, r["longest"], peak / 1024, sec, sorted(r["probes"].items())))
+        fixed.append((label, cp, max(p for p, _ in r["fixed"]) / 1024, statistics.median(s for _, s in r["fixed"])))
         params = r["params"]
     return rows, fixed, params
 
@@ -159,20 +159,19 @@ def print_tables(args, rows: list, fixed: list, checkpointing: bool, params: flo
     print(f"\nLongest sequence per step in {args.budget_mb} MiB per rank, {what} activation checkpointing: a "
           f"{params / 1e6:.1f}M-parameter Qwen3 (hidden {args.hidden}, {args.layers} layers, {args.heads} heads), one "
           f"sample per step, cp ranks (dp=1), gloo, CPU, 1 thread per rank; peak = VmHWM above VmRSS before the step, "
-          f"max over ranks; resolution {args.resolution:.0%}")
-    print(f"{'cp':>3} {'longest L':>10} {'L / cp=1':>9} {'peak MiB':>9} {'s/step':>8} {'W x W MiB':>10}")
-    base = rows[0][1] if rows[0][0] == 1 else None
-    for cp, longest, peak, sec, _ in rows:
-        ratio = longest / base if base else float("nan")
-        square = quadratic_mb(longest, cp, args.layers, checkpointing)
-        print(f"{cp:>3} {longest:>10} {ratio:>9.2f} {peak:>9.1f} {sec:>8.2f} {square:>10.1f}")
+          f"max over ranks; resolution {args.resolution:.0%}; ratios against cp=1 in blocks")
+    base = next((r for r in rows if r[0] == "blocks" and r[1] == 1), rows[0])
+    print(f"{'attention':>9} {'cp':>3} {'longest L':>10} {'L / cp=1':>9} {'peak MiB':>9} {'s/step':>8}")
+    for label, cp, longest, peak, sec, _ in rows:
+        print(f"{label:>9} {cp:>3} {longest:>10} {longest / base[2]:>9.2f} {peak:>9.1f} {sec:>8.2f}")
     print("\nprobes (L: peak MiB):")
-    for cp, _, _, _, probes in rows:
-        print(f"  cp={cp}: " + ", ".join(f"{n}: {p / 1024:.0f}" for n, (p, _) in probes))
+    for label, cp, _, _, _, probes in rows:
+        print(f"  {label} cp={cp}: " + ", ".join(f"{n}: {p / 1024:.0f}" for n, (p, _) in probes))
     print(f"\nOne step at L = {args.fixed_tokens}, {what} activation checkpointing (median of 2 steps)")
-    print(f"{'cp':>3} {'peak MiB':>9} {'peak / cp=1':>12} {'s/step':>8} {'step / cp=1':>12}")
-    for cp, peak, sec in fixed:
-        print(f"{cp:>3} {peak:>9.1f} {peak / fixed[0][1]:>12.3f} {sec:>8.2f} {sec / fixed[0][2]:>12.3f}")
+    base = next((f for f in fixed if f[0] == "blocks" and f[1] == 1), fixed[0])
+    print(f"{'attention':>9} {'cp':>3} {'peak MiB':>9} {'peak / cp=1':>12} {'s/step':>8} {'step / cp=1':>12}")
+    for label, cp, peak, sec in fixed:
+        print(f"{label:>9} {cp:>3} {peak:>9.1f} {peak / base[2]:>12.3f} {sec:>8.2f} {sec / base[3]:>12.3f}")
 
 
 def main(argv=None) -> None:
@@ -188,6 +187,9 @@ def main(argv=None) -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--activation-checkpointing", choices=("off", "on", "both"), default="off")
+    p.add_argument("--block-elements", type=int, default=1 << 22, help="trainer.attention_block_elements")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="leave out cp=1 with the whole mask")
     args = p.parse_args(argv)
     if any(args.heads % cp for cp in args.cps) or args.start % ALIGN or args.fixed_tokens % max(args.cps):
         p.error(f"--heads must divide by every cp, --start by {ALIGN} and --fixed-tokens by the largest cp")

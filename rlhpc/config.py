@@ -178,6 +178,10 @@ class TrainerConfig:
     # on loss tokens. "padded": one right-padded row per sample (docs/trainer.md).
     packing: str = "shared_prefix"
     pack_row_tokens: int = 1024
+    # Packed rows attend from their samples' boundaries, building the attention mask this many query x key elements
+    # at a time: a row of W tokens with W x W above it attends in blocks of queries whose attention the backward
+    # recomputes, so no [W, W] mask is kept per layer (rlhpc/train/attention.py; docs/trainer.md).
+    attention_block_elements: int = 4194304
     # torch.compile each decoder block (shapes marked dynamic) on the first step: the first step takes longer (tens of
     # seconds on CPU), later ones less (docs/trainer.md); a block that fails to compile runs eagerly.
     compile: bool = False
@@ -503,6 +507,7 @@ def validate(cfg: Config) -> None:
     need(cfg.trainer.num_ranks >= 1, "trainer.num_ranks", "must be >= 1")
     need(cfg.trainer.max_bad_steps >= 1, "trainer.max_bad_steps", "must be >= 1")
     need(cfg.trainer.pack_row_tokens >= 1, "trainer.pack_row_tokens", "must be >= 1")
+    need(cfg.trainer.attention_block_elements >= 1, "trainer.attention_block_elements", "must be >= 1")
     need(not (cfg.trainer.compile and cfg.trainer.ep > 1), "trainer.compile",
          "is not tested with expert parallelism (its all-to-all runs inside the blocks): set trainer.compile=false or "
          "trainer.ep=1")

@@ -111,7 +111,7 @@ RUNTIME_KEYS = (
     "trainer.steps", "trainer.checkpoint_interval", "trainer.export_final", "trainer.rollout_timeout_s",
     "trainer.max_bad_steps", "trainer.threads", "trainer.num_ranks", "trainer.fsdp", "trainer.activation_checkpointing",
     "trainer.micro_batch_tokens", "trainer.logprob_chunk_tokens", "trainer.packing", "trainer.pack_row_tokens",
-    "trainer.compile",
+    "trainer.attention_block_elements", "trainer.compile",
     "inference.num_workers", "inference.threads", "inference.startup_timeout_s", "inference.idle_timeout_s",
     "inference.max_restarts", "inference.serve", "inference.serve_open", "inference.serve_port", "inference.serve_host",
     "weights.timeout_s", "weights.bucket_mb", "weights.snapshot_interval", "weights.transport",

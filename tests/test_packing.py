@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhpc import models
-from rlhpc.train.batching import common_prefix, pack, packed_logprobs, plan_rows, token_logprobs
+from rlhpc.train.batching import ATTENTION, common_prefix, pack, packed_logprobs, plan_rows, token_logprobs
 from rlhpc.train.step import packs
 from test_moe import preset
 
@@ -44,13 +44,23 @@ def test_models_whose_attention_ignores_the_mask_are_padded_instead(tmp_path: Pa
     assert packs(models.load_model(tmp_path / "moe"))
 
 
-@pytest.mark.parametrize("name,attention", [("tiny_qwen3", "sdpa"), ("tiny_qwen3", "eager"), ("tiny_qwen3_moe", "sdpa")])
+# "rlhpc": the trainer's attention over packed rows from their segments (rlhpc/train/attention.py), here in blocks of
+# a few queries (a mask of at most 60 elements at a time) whose backward recomputes them.
+@pytest.mark.parametrize("name,attention", [("tiny_qwen3", "sdpa"), ("tiny_qwen3", "eager"), ("tiny_qwen3_moe", "sdpa"),
+                                            ("tiny_qwen3", ATTENTION), ("tiny_qwen3_moe", ATTENTION)])
 @pytest.mark.parametrize("chunk", [0, 16])
-def test_each_packed_sample_gets_the_logprobs_and_gradients_it_gets_alone(tmp_path: Path, name, attention, chunk):
+def test_each_packed_sample_gets_the_logprobs_and_gradients_it_gets_alone(tmp_path: Path, name, attention, chunk,
+                                                                          monkeypatch):
     cfg = preset(name)
     models.build(cfg, tmp_path / "model")
     model = models.load_model(tmp_path / "model")
-    model.set_attn_implementation(attention)
+    if attention == ATTENTION:
+        from rlhpc.train import attention as segment_attention
+
+        monkeypatch.setattr(segment_attention, "_INSTALLED", None)
+        assert segment_attention.install(model, 1, block_elements=60)
+    else:
+        model.set_attn_implementation(attention)
     assert model.config._attn_implementation == attention
     model.train()
     seqs, group_of = rollouts()

@@ -7,7 +7,8 @@ no model is built and no GPU is needed. The formulas (docs/scaling.md, "Memory p
 trainer rank (one GPU each; FSDP2 over all `trainer.num_ranks` = dp_shard x ep x cp; with `trainer.ep` > 1 the
 routed experts R of the largest block leave its FSDP unit and a rank gathers R / ep of them, in the compute dtype with
 float32 gradients, instead of all R; routing is assumed balanced, so activations stay; with `trainer.cp` > 1 a rank
-holds T / cp of the micro-batch's positions, so the activations and the head's rows divide by cp, the mask does not):
+holds T / cp of the micro-batch's positions, so the activations and the head's rows divide by cp, the attention mask
+does not):
     model state  = P x master bytes x (1 parameters + 1 gradients + 2 AdamW moments) / dp_shard
     FSDP working = largest block x (2 x compute bytes + 4)     one block all-gathered, the next prefetched, and the
                                                                block's gradients reduce-scattered in float32
@@ -17,8 +18,11 @@ holds T / cp of the micro-batch's positions, so the activations and the head's r
                                                                                    block recomputed in its backward)
     logprob head = 2 x logprob_chunk_tokens x V x 4     (one chunk's float32 logits and their gradient;
                  = 3 x T x V x 4                         without chunks: logits, log-softmax and gradient of all T)
-    packing mask = T x min(T, max(pack_row_tokens, max_model_len)) x 1 B   (trainer.packing=shared_prefix: the rows'
-                                                         boolean [W, W] attention masks, whole on every cp rank)
+    attention mask = M x (1 + compute bytes) x (L if M = T x W else 1), M = min(T x W, attention_block_elements)
+                   (trainer.packing=shared_prefix, rows of at most W = max(pack_row_tokens, max_model_len) tokens:
+                   rlhpc/train/attention.py builds the mask from the rows' segments, as bool and the kernel's float
+                   copy; when the whole mask fits attention_block_elements each of the L layers keeps its copy for the
+                   backward, otherwise one block at a time lives and nothing is kept)
     DSA indexer  = (2 x index_n_heads + 1) x T x T x 4  (GLM-5: transformers' indexer scores every query against every
                                                          key in float32, one layer at a time; 0 for other models)
 with P parameters (`count_parameters`), T = max(trainer.micro_batch_tokens, inference.max_model_len) tokens in the
@@ -413,13 +417,19 @@ def _context_divides(cfg, hf, out: MemoryPlan) -> None:
     out.keys.append("trainer.cp")
 
 
-def packing_mask_bytes(cfg, tokens: int) -> int:
-    """The packed rows' boolean attention masks of one micro-batch: rows of W tokens hold W x W bytes each, at most
-    T x (the longest row) when they fill T tokens; the longest row is pack_row_tokens, or one sample of max_model_len
-    alone. Each cp rank holds them whole. 0 when samples are padded one per row (trainer.packing=padded)."""
-    if cfg.trainer.packing != "shared_prefix":
-        return 0
-    return tokens * min(tokens, max(cfg.trainer.pack_row_tokens, cfg.inference.max_model_len))
+def attention_mask_bytes(cfg, hf, tokens: int, compute_bytes: int) -> Tuple[int, str]:
+    """The attention masks of packed rows (module docstring), and how the figure is made. 0 when samples are padded
+    one per row (trainer.packing=padded) and for GLM-5, whose rows are padded."""
+    tr = cfg.trainer
+    if tr.packing != "shared_prefix" or _get(hf, "index_n_heads"):
+        return 0, ""
+    width = min(tokens, max(tr.pack_row_tokens, cfg.inference.max_model_len))
+    whole = tokens * width
+    elements = min(whole, tr.attention_block_elements)
+    layers = hf.num_hidden_layers if whole <= tr.attention_block_elements else 1
+    how = (f"T={tokens} x row {width} x (1 + {compute_bytes}) B x {layers} layers, kept for the backward"
+           if layers > 1 else f"a block of attention_block_elements={elements} x (1 + {compute_bytes}) B at a time")
+    return elements * (1 + compute_bytes) * layers, how
 
 
 def indexer_scores_bytes(hf, tokens: int) -> int:
@@ -460,11 +470,9 @@ def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> Non
     per_rank = f"T={tokens} / cp={tr.cp} = {local}" if tr.cp > 1 else f"T={tokens}"
     rows.append((f"activations ({on})", act,
                  f"{per_rank} tokens x {act // local // compute:,} elements x {compute} B"))
-    mask = packing_mask_bytes(cfg, tokens) if not _get(hf, "index_n_heads") else 0  # GLM-5's rows are padded
+    mask, how = attention_mask_bytes(cfg, hf, tokens, compute)
     if mask:
-        rows.append(("packing mask", mask, f"T={tokens} x longest row "
-                                           f"{min(tokens, max(tr.pack_row_tokens, cfg.inference.max_model_len))} x 1 B"
-                                           + (", whole on each cp rank" if tr.cp > 1 else "")))
+        rows.append(("attention mask", mask, how))
     scores = indexer_scores_bytes(hf, tokens)
     if scores:
         rows.append(("DSA indexer scores (transient)", scores,

@@ -11,6 +11,8 @@ import torch
 # indexer (tests/test_packing.py). Their samples are padded one per row whatever trainer.packing says.
 NO_CUSTOM_MASK = ("glm_moe_dsa", "deepseek_v32")
 
+ATTENTION = "rlhpc"  # the attention implementation of a model that takes packed rows by their segments (attention.py)
+
 
 @dataclass
 class MicroBatch:
@@ -90,13 +92,37 @@ def plan_rows(samples: Sequence[int], sequences: Sequence[torch.Tensor], group_o
 class Packed:
     """Rows of packed samples as model inputs, and where each wanted token's logprob comes from. In a row the prefix
     attends causally to itself, each sample's suffix to the prefix and causally to itself, never to another sample;
-    positions restart after the prefix for each sample, so every sample sees exactly what it sees alone."""
+    positions restart after the prefix for each sample, so every sample sees exactly what it sees alone. Who attends
+    to whom is kept as each position's segment (O(W) a row); `mask()` spells it out as [W, W] for attention that
+    needs it whole."""
 
     input_ids: torch.Tensor  # long [R, W]
     position_ids: torch.Tensor  # long [R, W]
-    attention_mask: torch.Tensor  # bool [R, 1, W, W], True: attend
+    segments: torch.Tensor  # long [R, W]: PREFIX, the j-th sample of the row (j >= 0), or PADDING
     predictors: torch.Tensor  # long [N], flat index (row * W + position) of the hidden state that predicts each target
     targets: torch.Tensor  # long [N]
+
+    def to(self, device) -> "Packed":
+        return Packed(*(t.to(device) for t in (self.input_ids, self.position_ids, self.segments, self.predictors,
+                                                self.targets)))
+
+    def mask(self) -> torch.Tensor:
+        """bool [R, 1, W, W], True: attend."""
+        W = self.segments.shape[1]
+        return segment_mask(self.segments, 0, W, W)
+
+
+PREFIX, PADDING = -1, -2
+
+
+def segment_mask(segments: torch.Tensor, lo: int, hi: int, keys: int) -> torch.Tensor:
+    """Which of the first `keys` positions the queries at positions [lo, hi) attend to, from the rows' segments
+    [R, W]: bool [R, 1, hi - lo, keys]. A query attends causally to its own segment and to the prefix (a padding
+    position to earlier padding and the prefix, and always to itself, so no query is left without keys)."""
+    q = torch.arange(lo, hi, device=segments.device)
+    causal = q.unsqueeze(1) >= torch.arange(keys, device=segments.device).unsqueeze(0)
+    sq, sk = segments[:, lo:hi].unsqueeze(2), segments[:, :keys].unsqueeze(1)
+    return (causal & ((sq == sk) | (sk == PREFIX))).unsqueeze(1)
 
 
 def pack(rows: Sequence[Row], sequences: Sequence[torch.Tensor], wanted: Sequence[torch.Tensor],
@@ -107,14 +133,14 @@ def pack(rows: Sequence[Row], sequences: Sequence[torch.Tensor], wanted: Sequenc
     R = len(rows)
     ids = torch.full((R, width), pad_id, dtype=torch.long)
     pos = torch.zeros((R, width), dtype=torch.long)
-    seg = torch.full((R, width), -2, dtype=torch.long)  # -1: the prefix; j: the j-th sample of the row; -2: padding
+    seg = torch.full((R, width), PADDING, dtype=torch.long)
     predictors, targets = [], []
     for r, row in enumerate(rows):
         p = row.prefix
         first = sequences[row.samples[0]]
         ids[r, :p] = first[:p]
         pos[r, :p] = torch.arange(p)
-        seg[r, :p] = -1
+        seg[r, :p] = PREFIX
         at = p
         for j, i in enumerate(row.samples):
             seq = sequences[i]
@@ -129,12 +155,8 @@ def pack(rows: Sequence[Row], sequences: Sequence[torch.Tensor], wanted: Sequenc
             predictors.append(r * width + where)
             targets.append(seq[t])
             at += n - p
-    q = torch.arange(width)
-    causal = q.unsqueeze(1) >= q.unsqueeze(0)  # [W(query), W(key)]
-    sq, sk = seg.unsqueeze(2), seg.unsqueeze(1)
-    mask = causal & ((sq == sk) | (sk == -1))
     empty = torch.zeros(0, dtype=torch.long)
-    return Packed(ids, pos, mask.unsqueeze(1), torch.cat(predictors) if predictors else empty,
+    return Packed(ids, pos, seg, torch.cat(predictors) if predictors else empty,
                   torch.cat(targets) if targets else empty)
 
 
@@ -192,10 +214,15 @@ def packed_logprobs(model: torch.nn.Module, packed: Packed, temperature: float =
                     chunk_tokens: int = 2048) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob (and entropy, no gradient) of each of `packed.targets` [N], from one forward over the packed rows. The
     output head runs only on the N predicting positions (chunked as in `token_logprobs`), not on every position."""
-    mask = packed.attention_mask
-    if getattr(model.config, "_attn_implementation", "sdpa") == "eager":  # eager attention adds its mask
-        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
-            ~mask, torch.finfo(torch.float32).min)
+    impl = getattr(model.config, "_attn_implementation", "sdpa")
+    if impl == ATTENTION:  # rlhpc/train/attention.py: the segments themselves, never a [W, W] mask
+        mask = packed.segments[:, None, None, :]
+    elif impl == "eager":  # eager attention adds its mask
+        dense = packed.mask()
+        mask = torch.zeros(dense.shape, dtype=torch.float32, device=dense.device).masked_fill_(
+            ~dense, torch.finfo(torch.float32).min)
+    else:
+        mask = packed.mask()
     inputs = dict(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids, use_cache=False)
     head = model.get_output_embeddings() if chunk_tokens > 0 and _plain_head(model) else None
     if head is None:

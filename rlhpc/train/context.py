@@ -2,13 +2,13 @@
 rank holds W / cp of every row's tokens, activations and output-head work.
 
 How attention sees the whole row: all-to-all head sharding (DeepSpeed-Ulysses). In each attention layer the `cp`
-ranks exchange their queries, keys and values so that each gets every position of H / cp heads, runs the layer's own
-attention over the full row with the micro-batch's 4-D packing mask (samples never attend across their boundaries,
-exactly as on one rank), and exchanges the output back to its own positions. Everything else in a block (norms, MLP,
-experts, rotary embeddings with the row's position ids) works per token and runs on the local positions unchanged.
-Chosen over ring attention because it reuses the packing mask and the attention kernel as they are and is exact by
-construction; its limits: the attention heads must divide by cp (key/value heads that do not are repeated until they
-do), and the packing mask is held whole on each rank.
+ranks exchange their queries, keys and values so that each gets every position of H / cp heads, attends over the full
+row from its segments (rlhpc/train/attention.py: samples never attend across their boundaries, exactly as on one
+rank, and no [W, W] mask is kept), and exchanges the output back to its own positions. Everything else in a block
+(norms, MLP, experts, rotary embeddings with the row's position ids) works per token and runs on the local positions
+unchanged. Chosen over ring attention because it reuses the packed rows' attention as it is and is exact by
+construction; its limit: the attention heads must divide by cp (key/value heads that do not are repeated until they
+do).
 
 Layout over a world of N = dp x cp ranks: the cp ranks of one context group are consecutive (rank = d * cp + c) and
 train the same samples; the step splits its batch over the dp groups. Parameters stay FSDP2-sharded over all N ranks
@@ -20,26 +20,20 @@ so sequence-level terms (GSPO's ratio, per-sequence normalization) see whole sam
 loss; the gather's backward keeps only this rank's own targets' gradients, so the group's ranks together contribute
 each target's gradient once. Statistics are counted on the group's first rank only.
 
-The mask says which rows are split: a 4-D mask over cp times the positions a layer got (a step's micro-batch, also
-when activation checkpointing recomputes its blocks in the backward) exchanges heads; anything else (idle passes, the
-SFT warm start, evaluation) is plain sdpa attention on whatever tokens the rank has.
+The segments say which rows are split: segments of cp times the positions a layer got (a step's micro-batch, also when
+activation checkpointing recomputes its blocks in the backward) exchange heads; anything else (idle passes, the SFT
+warm start, evaluation) is plain sdpa attention on whatever tokens the rank has.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import types
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
-
-ATTENTION = "rlhpc_cp"  # the attention implementation a context-parallel model runs (registered with transformers)
-
+from rlhpc.train.batching import PADDING, Packed
 
 @dataclass(frozen=True)
 class ContextGroup:
@@ -55,8 +49,6 @@ class ContextGroup:
 
 
 _GROUPS: Dict[Tuple[int, int], ContextGroup] = {}
-_INSTALLED: Optional[ContextGroup] = None  # the group of the installed model
-
 
 def context_group(cp: int) -> ContextGroup:
     """This rank's group of `cp` consecutive ranks. Collective the first time (every rank creates every group, in
@@ -73,72 +65,6 @@ def context_group(cp: int) -> ContextGroup:
                 mine = g
         _GROUPS[key] = ContextGroup(cp=cp, rank=rank % cp, group=mine)
     return _GROUPS[key]
-
-
-def install(model: torch.nn.Module, cp: int) -> ContextGroup:
-    """Makes `model` context-parallel over `cp` ranks: its attention layers run `ATTENTION`, which exchanges heads for
-    a split row and is the model's sdpa attention otherwise. Raises naming trainer.cp
-    when the model cannot (its heads do not divide by cp, or its attention is not transformers' pluggable kind)."""
-    register()
-    cfg = model.config
-    model_type = getattr(cfg, "model_type", "?")
-    impl = getattr(cfg, "_attn_implementation", "sdpa")
-    from rlhpc.train.batching import NO_CUSTOM_MASK
-
-    if model_type in NO_CUSTOM_MASK:
-        raise ValueError(f"trainer.cp={cp}: {model_type}'s sparse attention picks its keys with its own indexer over "
-                         "the whole sequence, which context parallelism does not split (set trainer.cp=1)")
-    if impl not in ("sdpa", ATTENTION):
-        raise ValueError(f"trainer.cp={cp}: {model_type} runs attention {impl!r}; context parallelism runs sdpa "
-                         "attention with its packing mask")
-    heads = getattr(cfg, "num_attention_heads", None)
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    if not heads or heads % cp:
-        raise ValueError(f"trainer.cp={cp} must divide the model's {heads} attention heads (num_attention_heads): "
-                         "each of the cp ranks attends with heads / cp of them")
-    if heads % math.lcm(kv_heads, cp):
-        raise ValueError(f"trainer.cp={cp}: the model's {kv_heads} key/value heads cannot be repeated to a multiple "
-                         f"of cp that divides its {heads} attention heads")
-    cfg._attn_implementation = ATTENTION  # transformers' setter passes it on to sub-configs
-    global _INSTALLED
-    group = _INSTALLED = context_group(cp)
-    log.info("context parallelism: each packed row split over %d ranks (this one holds part %d), attention over the "
-             "whole row with %d of the %d heads", cp, group.rank, heads // cp, heads)
-    return group
-
-
-def register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTENTION, attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # 2-D masks (unsplit forwards) become sdpa's masks
-
-
-def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
-              **kwargs):
-    """transformers' attention signature: query [B, H, S, D], key/value [B, Hkv, S, D] of this rank's S positions ->
-    output [B, S, H, D]. For a split row, S = W / cp and the mask is the whole row's [B, 1, W, W]: attention runs over
-    all W positions with H / cp heads on each rank."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    group = _INSTALLED
-    split = (group is not None and group.cp > 1 and attention_mask is not None and attention_mask.dim() == 4
-             and attention_mask.shape[-1] == query.shape[2] * group.cp)
-    if not split:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    cp = group.cp
-    groups = getattr(module, "num_key_value_groups", 1)
-    repeat = math.lcm(key.shape[1], cp) // key.shape[1]  # key/value heads repeated until cp divides them
-    if repeat > 1:
-        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-    q, k, v = (_SeqToHeads.apply(t, group) for t in (query, key, value))
-    shim = types.SimpleNamespace(num_key_value_groups=groups // repeat, is_causal=getattr(module, "is_causal", True),
-                                 layer_idx=getattr(module, "layer_idx", None), training=module.training)
-    out, _ = sdpa_attention_forward(shim, q, k, v, attention_mask, dropout=dropout, scaling=scaling,
-                                    is_causal=is_causal, **kwargs)  # [B, W, H/cp, D]
-    return _HeadsToSeq.apply(out, group), None
 
 
 def _exchange(x: torch.Tensor, group: ContextGroup) -> torch.Tensor:
@@ -166,7 +92,7 @@ def _heads_to_seq_bwd(g: torch.Tensor, group: ContextGroup) -> torch.Tensor:
     return got.transpose(0, 1).reshape(B, h * cp, W // cp, D)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class SeqToHeads(torch.autograd.Function):
     """[B, H, S, D] of this rank's positions -> [B, H/cp, W, D] of this rank's heads; backward the inverse."""
 
     @staticmethod
@@ -179,7 +105,7 @@ class _SeqToHeads(torch.autograd.Function):
         return _heads_to_seq_bwd(grad, ctx.group), None
 
 
-class _HeadsToSeq(torch.autograd.Function):
+class HeadsToSeq(torch.autograd.Function):
     """Attention output [B, W, H/cp, D] of this rank's heads -> [B, S, H, D] of its positions; backward the inverse."""
 
     @staticmethod
@@ -196,10 +122,8 @@ class _HeadsToSeq(torch.autograd.Function):
 
 
 def pad_to_multiple(packed, multiple: int, pad_id: int):
-    """`packed` (rlhpc/train/batching.py Packed) widened with padding to a multiple of `multiple` positions. A padding
-    position attends to itself only; predictors are re-indexed to the new width."""
-    from rlhpc.train.batching import Packed
-
+    """`packed` widened with padding to a multiple of `multiple` positions (padding segments: no sample attends to
+    them); predictors are re-indexed to the new width."""
     R, W = packed.input_ids.shape
     width = -(-W // multiple) * multiple
     if width == W:
@@ -207,28 +131,24 @@ def pad_to_multiple(packed, multiple: int, pad_id: int):
     extra = width - W
     ids = torch.nn.functional.pad(packed.input_ids, (0, extra), value=pad_id)
     pos = torch.nn.functional.pad(packed.position_ids, (0, extra), value=0)
-    mask = torch.nn.functional.pad(packed.attention_mask, (0, extra, 0, extra), value=False)
-    idx = torch.arange(W, width, device=mask.device)
-    mask[:, :, idx, idx] = True
+    segments = torch.nn.functional.pad(packed.segments, (0, extra), value=PADDING)
     predictors = packed.predictors // W * width + packed.predictors % W
-    return Packed(ids, pos, mask, predictors, packed.targets)
+    return Packed(ids, pos, segments, predictors, packed.targets)
 
 
 @dataclass
 class Split:
     """A packed micro-batch as one rank of a context group sees it: its positions of each row (`local`, a Packed of
-    width W / cp whose predictors index the local positions and whose mask is the whole row's), and which of the
+    width W / cp whose predictors index the local positions and whose segments are the whole row's), and which of the
     micro-batch's N targets it predicts (`mine`, indices into the N, in order) and how many each rank does."""
 
-    local: object
+    local: Packed
     mine: torch.Tensor
     owners: torch.Tensor  # long [N]: the group rank whose positions predict each target
     group: ContextGroup
 
 
-def split(packed, group: ContextGroup, pad_id: int) -> Split:
-    from rlhpc.train.batching import Packed
-
+def split(packed: Packed, group: ContextGroup, pad_id: int) -> Split:
     packed = pad_to_multiple(packed, group.cp, pad_id)
     R, W = packed.input_ids.shape
     S = W // group.cp
@@ -236,7 +156,7 @@ def split(packed, group: ContextGroup, pad_id: int) -> Split:
     row, pos = packed.predictors // W, packed.predictors % W
     owners = pos // S
     mine = torch.nonzero(owners == group.rank).flatten()
-    local = Packed(packed.input_ids[:, lo : lo + S], packed.position_ids[:, lo : lo + S], packed.attention_mask,
+    local = Packed(packed.input_ids[:, lo : lo + S], packed.position_ids[:, lo : lo + S], packed.segments,
                    row[mine] * S + (pos[mine] - lo), packed.targets[mine])
     return Split(local, mine, owners, group)
 

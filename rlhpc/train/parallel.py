@@ -94,9 +94,9 @@ def apply_fsdp(model: torch.nn.Module, cfg: TrainerConfig, device: torch.device)
     mp = mixed_precision(cfg, device)
     kw = dict(mesh=mesh, ignored_params=ignored or None, **({"mp_policy": mp} if mp else {}))
     if cfg.cp > 1:
-        from rlhpc.train.context import install
+        from rlhpc.train.attention import install
 
-        install(model, cfg.cp)
+        install(model, cfg.cp, cfg.attention_block_elements)
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
     for block in decoder_blocks(model):

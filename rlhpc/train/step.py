@@ -14,8 +14,8 @@ import torch.distributed as dist
 from rlhpc.algo import loss as loss_mod
 from rlhpc.algo.loss import LossInputs
 from rlhpc.config import Config
-from rlhpc.train import context
-from rlhpc.train.batching import (NO_CUSTOM_MASK, Packed, balance_ranks, pack, packed_logprobs, pad,
+from rlhpc.train import attention, context
+from rlhpc.train.batching import (ATTENTION, NO_CUSTOM_MASK, Packed, balance_ranks, pack, packed_logprobs, pad,
                                   plan_micro_batches, plan_rows, token_logprobs)
 from rlhpc.train.experts import RouterBalance
 from rlhpc.train.guard import BadSteps, nonfinite_advantages, nonfinite_groups, nonfinite_update
@@ -29,7 +29,7 @@ def packs(model: torch.nn.Module) -> bool:
     """Whether `model` can take packed rows: attention that applies a 4-D mask (sdpa, eager) and no sparse selection."""
     config = getattr(model, "config", None)
     return (getattr(config, "model_type", None) not in NO_CUSTOM_MASK
-            and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager", context.ATTENTION))
+            and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager", ATTENTION))
 
 
 def compile_blocks(model: torch.nn.Module) -> None:
@@ -68,6 +68,10 @@ class Step:
         if self.cp > 1 and self.context is None:
             self.context = context.context_group(self.cp)
         share = 1.0 if self.context is None or self.context.first else 0.0  # a context group counts its stats once
+        if cfg.trainer.packing == "shared_prefix":  # packed rows attend from their segments (rlhpc/train/attention.py)
+            for m in (model, reference):
+                if m is not None:
+                    attention.install(m, self.cp, cfg.trainer.attention_block_elements)
         mine = balance_ranks(batch.lengths, batch.group_of, self.dp)[self.dp_rank]
         lengths = batch.lengths[mine]
         # Loss weights: the whole step sums to a mean over tokens (or sequences) of all ranks.
@@ -238,9 +242,7 @@ class Step:
         the forward's tokens that predict them."""
         chunk, temperature = self.cfg.trainer.logprob_chunk_tokens, self.cfg.algo.temperature
         if rows is not None:
-            packed = pack(rows, sequences, {i: loss_masks[i][1:] for i in samples.tolist()}, pad_id)
-            packed = Packed(*(t.to(self.device) for t in (packed.input_ids, packed.position_ids,
-                                                           packed.attention_mask, packed.predictors, packed.targets)))
+            packed = pack(rows, sequences, {i: loss_masks[i][1:] for i in samples.tolist()}, pad_id).to(self.device)
             if self.context is not None:
                 return self.context_logprobs(packed, pad_id)
             return (lambda m, with_entropy=False: packed_logprobs(m, packed, temperature, with_entropy, chunk),
