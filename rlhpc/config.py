@@ -414,7 +414,8 @@ class LauncherConfig:
     submit: bool = True
     # launcher=local: a role waiting on the other (workers on back-pressure, the trainer on rollouts) lends its threads
     # (trainer.threads, inference.threads), and the other role's processes use them until it works again, never more
-    # than the machine's cores (rlhpc/cores.py). Off by default: not yet shown to pay (docs/performance.md).
+    # than the machine's cores (rlhpc/cores.py). Off by default: 6-9% faster steps in one run of each setting, not yet
+    # run under the whole test suite (docs/performance.md).
     lend_cores: bool = False
 
 
