@@ -55,9 +55,11 @@ def install(model: torch.nn.Module, cp: int = 1, block_elements: int = 1 << 22) 
         _check_context_parallel(cfg, cp)
     elif model_type in NO_CUSTOM_MASK or impl not in ("sdpa", ATTENTION):
         return False
+    group = context_group(cp) if cp > 1 else None
+    if impl == ATTENTION and _INSTALLED == Installed(block_elements, group):
+        return True  # the step installs its models before each step: once is enough
     register()
     cfg._attn_implementation = ATTENTION  # transformers' setter passes it on to sub-configs
-    group = context_group(cp) if cp > 1 else None
     _INSTALLED = Installed(block_elements, group)
     if group is not None:
         heads = cfg.num_attention_heads
