@@ -42,7 +42,7 @@ class Installed:
 _INSTALLED: Optional[Installed] = None  # one trainer model per process
 
 
-def install(model: torch.nn.Module, cp: int = 1, block_elements: int = 1 << 22) -> bool:
+def install(model: torch.nn.Module, cp: int, block_elements: int) -> bool:
     """Makes `model` take packed rows by their segments (and, with cp > 1, split over a context group: collective
     the first time). Returns False, leaving the model as it is, when its attention is not sdpa (eager attention takes
     the whole mask) at cp=1; raises naming trainer.cp when cp > 1 and the model cannot (its heads do not divide by cp,
@@ -114,10 +114,10 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         raise ValueError("packed rows' attention recomputes its blocks in the backward and takes no attention dropout "
                          "(set the model's attention_dropout to 0)")
     segments = attention_mask[:, 0, 0]  # [B, W]
-    installed = _INSTALLED or Installed(1 << 22, None)
+    installed = _INSTALLED  # segments reach only a model `install` set up
     group = installed.group
     W, S = segments.shape[1], query.shape[2]
-    split = group is not None and W == S * group.cp and group.cp > 1
+    split = group is not None and W == S * group.cp
     if not split and W != S:
         raise ValueError(f"attention got {S} positions for packed rows of {W}")
     if split:
@@ -156,7 +156,7 @@ class _BlockAttention(torch.autograd.Function):
         ctx.autocast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         W = q.shape[2]
         kr, vr = _repeat(k, groups), _repeat(v, groups)  # this layer's only, while it runs
-        out = None
+        out = None  # made from the first block's output: its dtype is what autocast gave sdpa
         for lo in range(0, W, block):
             hi = min(lo + block, W)
             o = F.scaled_dot_product_attention(q[:, :, lo:hi], kr[:, :, :hi], vr[:, :, :hi],
