@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from rlhpc.cores import cores
 from rlhpc.metrics import bottleneck
 
 SMALL = ["+exp=reverse_text", "sft.steps=5", "eval.num_tasks=8", "eval.interval=0", "launcher.progress=false",
@@ -39,6 +40,10 @@ def test_synchronous_mode_trains_only_on_groups_from_the_current_weights(tmp_pat
     assert set(summary["busy"]) == {"trainer-0", "inference-0", "inference-1"}
     assert all(0 < b["busy"] and b["busy"] + b["waiting"] <= 1.01 for b in summary["busy"].values()), summary["busy"]
     assert "both sides wait for each other" in bottleneck(summary["busy"]), summary["busy"]
+    # Lending is the default: while the workers wait for the new weights, the trainer trains with their threads too
+    # (capped at the machine's cores: on one core there is nothing to lend).
+    borrowed = sum(r["perf/borrowed_threads_s"] for r in rows)
+    assert (borrowed > 0) == (cores() > 1), borrowed
 
 
 def drop_garbage_into_the_queue(run_dir):
