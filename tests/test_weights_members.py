@@ -281,3 +281,29 @@ def test_a_member_loading_in_place_takes_each_update_between_generations_with_tw
     assert len([r for r in reports if r[0] == "held"]) >= 3 and all(r[2] for r in reports if r[0] == "held")  # no weight ever changed under a generation
     p1.join(timeout=30)
     assert p1.exitcode == 0
+
+
+def test_a_restarted_only_worker_is_admitted_while_the_trainer_waits_for_its_rollouts(tmp_path):
+    """With one worker, no update comes while it is down (the trainer waits for its rollouts): its next life must be
+    admitted between updates (the trainer's `admit` while it waits), not at an update that cannot come."""
+    run = RunDir(tmp_path).make()
+    out = Reports()
+    procs = {1: start(str(tmp_path), 1, out)}
+    sender = BroadcastSender(run, num_receivers=1, bucket_mb=1, timeout_s=60, attempt="t", member_timeout_s=20)
+    published(sender, 1)
+    reported(out, ("got", 1, 1))
+    os.kill(procs[1].pid, signal.SIGKILL)
+    procs[1].join(timeout=10)
+    procs[1] = start(str(tmp_path), 1, out)
+    deadline = time.time() + 60
+    while sender.admitted != {1}:
+        assert time.time() < deadline, "the restarted worker was not admitted between updates"
+        sender.admit()  # what the trainer does between two looks at the queue
+        time.sleep(0.05)
+    published(sender, 2)
+    assert sender.members == [1]
+    seen = reported(out, ("got", 1, 2))
+    assert not [r for r in seen if r[0] == "error"], seen
+    sender.close()
+    reported(out, ("closed", 1))
+    procs[1].join(timeout=30)

@@ -3,7 +3,7 @@ workers read; the other ranks wait for the same claim (rlhpc/transport/queue.py)
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 from rlhpc.config import Config
 from rlhpc.rundir import RunDir
@@ -22,11 +22,13 @@ class Claims:
         self.queue.truncate_ledger(before_step=step)
         self.queue.set_progress(claimed=step, version=step)
 
-    def claim(self, step: int) -> Claim:
-        """The groups of `step`; raises Stop when asked to stop while waiting for them."""
+    def claim(self, step: int, while_waiting: Callable[[], None] = lambda: None) -> Claim:
+        """The groups of `step`; raises Stop when asked to stop while waiting for them. `while_waiting` runs between
+        two looks at the queue."""
         def abort() -> Optional[str]:
             if stop_requested():
                 raise Stop(stop_requested())
+            while_waiting()
             return self.run.failure()
 
         timeout = self.cfg.trainer.rollout_timeout_s

@@ -136,6 +136,11 @@ class Publisher:
         return BroadcastSender(self.run, self.cfg.inference.num_workers, w.bucket_mb, w.timeout_s, self.ident.attempt,
                                host=self.ident.master_addr, member_timeout_s=w.member_timeout_s)
 
+    def admit(self) -> None:
+        """Rank 0 waiting for rollouts: lets restarted workers join the weights group meanwhile (WeightsSender.admit)."""
+        if self.sender is not None:
+            self.sender.admit()
+
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """Collective with FSDP: every rank takes part in the stream; rank 0 sends it (and snapshots it when due)."""
         serving = serving_dtype(self.cfg)

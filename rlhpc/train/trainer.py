@@ -103,7 +103,7 @@ class Trainer:
                 return self.stop(step)
             try:
                 self.lend(True)  # waiting for rollouts: the workers may use this rank's threads
-                claim = self.claims.claim(step)
+                claim = self.claims.claim(step, while_waiting=self.publisher.admit)
             except Stop:
                 return self.stop(step)
             finally:

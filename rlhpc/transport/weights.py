@@ -55,6 +55,10 @@ class WeightsSender(ABC):
         """Sends weights `version`; returns the bytes sent. `layout` ((name, shape, dtype) of the stream, in order)
         lets a streaming sender fix its buckets without holding the stream."""
 
+    def admit(self) -> None:
+        """Between updates (the trainer waiting for rollouts): answers workers asking to join, so that a restarted
+        worker need not wait for an update that only its own rollouts would bring."""
+
     def close(self) -> None:
         pass
 
@@ -175,7 +179,8 @@ class FilesystemReceiver(WeightsReceiver):
 # its bell (a store wait, no polling) and reads the message the moment it is said.
 # A candidate (a new, restarted or attached worker; member id = its rank + 1) announces its id (joiners counter,
 # joiner/<i>), then claims join/<id> with "<nonce>:<token>" (compare-and-set: another candidate's claim is never
-# overwritten); the trainer reads claims at each update, answers verdict/<id>/<nonce> (ok, refused: no token, or
+# overwritten); the trainer reads claims at each update and while it waits for rollouts (admit: a run's only worker,
+# restarted, brings no update until it is in), answers verdict/<id>/<nonce> (ok, refused: no token, or
 # taken: a second candidate while the first group forms) and start/<id>/<nonce> (the message to read from), and calls
 # a new epoch at its next update. A member that dies breaks the epoch: the broadcast fails (gloo reports a closed
 # connection at once; a member that stalls costs weights.member_timeout_s), the trainer calls a new epoch of those
@@ -248,6 +253,7 @@ class BroadcastSender(WeightsSender):
         self.members: List[int] = []  # member ids of the current epoch, in group-rank order (group rank = index + 1)
         self.in_place: set = set()  # members of the epoch that load in place: each update waits for them to be ready
         self.epoch, self.group, self.broken = -1, None, False
+        self.admitted: set = set()  # members admitted between updates (admit), in the next update's epoch
         self.next_msg = 0
         self.watch = set(range(1, num_receivers + 1))  # member ids whose join/<id> claims are read
         self.joiners_seen = 0
@@ -267,6 +273,10 @@ class BroadcastSender(WeightsSender):
         log.info("weights group of %d formed (%s)", len(self.members) + 1, self.backend)
 
     # -- membership --
+
+    def admit(self) -> None:
+        # They read from the next message, the call of the epoch that the next update forms with them.
+        self.admitted.update(self._read_claims(set(), start=self.next_msg))
 
     def _read_claims(self, forming: set, start: int) -> List[int]:
         """Reads the join claims waiting; answers each; returns the member ids admitted. `forming`: ids already
@@ -373,9 +383,10 @@ class BroadcastSender(WeightsSender):
             self.layout = [(n, list(shape), str(dtype)) for n, shape, dtype in layout]
             self.store.set("layout", json.dumps({"tensors": self.layout, "bucket_bytes": self.bucket_bytes}))
             self.buckets = _bucketize(self.layout, self.bucket_bytes)
-        joined = self._read_claims(set(), start=self.next_msg)
+        joined = set(self._read_claims(set(), start=self.next_msg)) | self.admitted
+        self.admitted = set()
         if joined or self.broken:
-            self._call(set(self.members) | set(joined))
+            self._call(set(self.members) | joined)
         n = self._say({"kind": "update", "version": version, "epoch": self.epoch})
         if self.in_place and self.group is not None and not self.broken:
             self._wait_ready(n, version)
