@@ -281,6 +281,11 @@ class InferenceConfig:
     # vLLM engines (inference workers) per node; with local rank i an engine uses GPUs [i*tp, (i+1)*tp) where
     # tp = tensor_parallel_size (GPU only; cluster.inference.tasks_per_node should match).
     engines_per_node: int = 1
+    # Nodes one vLLM instance spans (a model too large for one node's GPUs): tensor_parallel_size GPUs over this many
+    # nodes, tensor_parallel_size / nodes_per_instance on each. Worker w's instance is a leader process (the rlhpc
+    # worker; node rank 0) and nodes_per_instance - 1 followers that run only vLLM's model workers
+    # (rlhpc.infer.follower). Under Slurm the inference component then has num_workers x nodes_per_instance tasks.
+    nodes_per_instance: int = 1
     # Prefill/decode disaggregation: separate prefill and decode vLLM instances per worker (see DisaggregationConfig).
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     # vLLM's kv_transfer_config of a single (not disaggregated) engine, passed as given (e.g. a KV offloading
@@ -520,6 +525,7 @@ def validate(cfg: Config) -> None:
     need(cfg.inference.num_workers >= 1, "inference.num_workers", "must be >= 1")
     need(cfg.inference.groups_per_batch >= 1, "inference.groups_per_batch", "must be >= 1")
     need(0 <= cfg.inference.serve_port < 65536, "inference.serve_port", "must be a TCP port (0: any free port)")
+    _check_instance_nodes(cfg)
     pd = cfg.inference.disaggregation
     if pd.enabled:
         need(cfg.inference.engine == "vllm", "inference.disaggregation.enabled",
@@ -591,6 +597,28 @@ def validate(cfg: Config) -> None:
 
 # transformers' config keys for the number of routed experts, by family (qwen3_moe, glm/deepseek, mixtral/minimax).
 _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _check_instance_nodes(cfg: Config) -> None:
+    inf = cfg.inference
+    n = inf.nodes_per_instance
+    need(n >= 1, "inference.nodes_per_instance", "must be >= 1")
+    if n == 1:
+        return
+    need(inf.engine == "vllm", "inference.nodes_per_instance",
+         f"{n} needs inference.engine=vllm (an instance over several nodes is vLLM's; not {inf.engine!r})")
+    need(inf.tensor_parallel_size % n == 0, "inference.nodes_per_instance",
+         f"{n} nodes do not split inference.tensor_parallel_size={inf.tensor_parallel_size} evenly")
+    need(not inf.disaggregation.enabled, "inference.disaggregation.enabled",
+         "prefill/decode disaggregation with instances over several nodes (inference.nodes_per_instance="
+         f"{n}) is not supported")
+    need(inf.engines_per_node == 1, "inference.engines_per_node",
+         f"must be 1 when an instance spans nodes (inference.nodes_per_instance={n})")
+    gpus = cfg.cluster.inference.gpus_per_node
+    need(not gpus or inf.tensor_parallel_size // n == gpus, "inference.tensor_parallel_size",
+         f"{inf.tensor_parallel_size} over inference.nodes_per_instance={n} nodes is "
+         f"{inf.tensor_parallel_size // n} GPUs a node, but a node has {gpus} (cluster.inference.gpus_per_node): an "
+         "instance that spans nodes takes every GPU of each")
 
 
 def _check_expert_parallel(cfg: Config) -> None:

@@ -114,6 +114,7 @@ RUNTIME_KEYS = (
     "trainer.attention_block_elements", "trainer.compile",
     "inference.num_workers", "inference.threads", "inference.startup_timeout_s", "inference.idle_timeout_s",
     "inference.max_restarts", "inference.serve", "inference.serve_open", "inference.serve_port", "inference.serve_host",
+    "inference.nodes_per_instance",
     "weights.timeout_s", "weights.bucket_mb", "weights.snapshot_interval", "weights.transport",
     "weights.member_timeout_s", "weights.receive",
     "queue.lease_s", "queue.poll_max_s", "queue.keep_dropped", "queue.keep_quarantined", "queue.keep_retired",

@@ -55,6 +55,10 @@ def main() -> int:
             from rlhpc.infer.worker import run_worker
 
             run_worker(cfg, ident, run)
+        elif ident.role == "follower":  # vLLM model workers of another node of a worker's instance
+            from rlhpc.infer.follower import run_follower
+
+            run_follower(cfg, ident, run)
         else:
             raise ValueError(f"unknown role {ident.role!r}")
     except Stop as e:

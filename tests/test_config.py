@@ -110,7 +110,8 @@ def test_the_glm5_preset_plans_fp8_and_prefill_decode_disaggregation_without_sub
          # parallelism, a prefill and a decode instance of tp 4 per worker.
          "trainer.num_ranks=16", "trainer.ep=1", "trainer.groups_per_step=64", "cluster.trainer.nodes=2",
          "inference.num_workers=4", "cluster.inference.nodes=4", "inference.tensor_parallel_size=4",
-         "inference.disaggregation.enabled=true", "inference.disaggregation.prefill_tensor_parallel_size=4"],
+         "inference.disaggregation.enabled=true", "inference.disaggregation.prefill_tensor_parallel_size=4",
+         "inference.nodes_per_instance=1"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
     )
     # The plan is printed, then refused: 744B parameters do not fit 80 GiB GPUs without expert parallelism
@@ -169,3 +170,29 @@ def test_the_memory_plan_gathers_only_a_ranks_share_of_the_routed_experts_with_e
     assert "FSDP root (embed, head, norm)" in rows[16]
     gib = {ep: float(rows[ep]["FSDP unsharded block"].split()[3]) for ep in rows}
     assert gib[16] < gib[1] / 10  # the block without its routed experts
+
+
+# An instance over two nodes of a vLLM engine, as +exp=glm5 has it on 8-GPU nodes.
+TWO_NODE_INSTANCE = ["inference=vllm", "inference.tensor_parallel_size=16", "inference.nodes_per_instance=2",
+                     "cluster.inference.gpus_per_node=8"]
+
+
+def test_an_instance_over_whole_nodes_of_a_vllm_engine_is_accepted():
+    validate(composed("run_dir=/tmp/x", *TWO_NODE_INSTANCE))
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["inference.nodes_per_instance=0"], r"inference\.nodes_per_instance`: must be >= 1"),
+    (["inference.engine=hf"], r"inference\.nodes_per_instance`: 2 needs inference\.engine=vllm"),
+    (["inference.nodes_per_instance=3"],
+     r"inference\.nodes_per_instance`: 3 nodes do not split inference\.tensor_parallel_size=16 evenly"),
+    (["inference.disaggregation.enabled=true"],
+     r"inference\.disaggregation\.enabled`: prefill/decode disaggregation with instances over several nodes"),
+    (["inference.engines_per_node=2"], r"inference\.engines_per_node`: must be 1 when an instance spans nodes"),
+    (["cluster.inference.gpus_per_node=4"],
+     r"inference\.tensor_parallel_size`: 16 over inference\.nodes_per_instance=2 nodes is 8 GPUs a node, but a "
+     r"node has 4 \(cluster\.inference\.gpus_per_node\)"),
+])
+def test_an_instance_over_nodes_that_cannot_work_is_refused_naming_the_key(overrides, says):
+    with pytest.raises(ConfigError, match=says):
+        validate(composed("run_dir=/tmp/x", *TWO_NODE_INSTANCE, *overrides))

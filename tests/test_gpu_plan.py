@@ -66,6 +66,19 @@ def test_the_plan_a_user_reads_names_each_roles_gpus(tmp_path):
     assert not run_dir.exists()
 
 
+def test_an_instance_over_two_nodes_takes_every_gpu_of_each():
+    from rlhpc.cluster.hetjob import describe, make_plan, render_script
+
+    cfg = composed("cluster=gpu_example", "trainer.num_ranks=16", "inference.num_workers=2", "inference.engine=vllm",
+                   "inference.tensor_parallel_size=16", "inference.nodes_per_instance=2")
+    plan = make_plan(cfg)
+    _, inference = components(render_script(plan))
+    assert "#SBATCH --nodes=4" in inference and "#SBATCH --ntasks-per-node=1" in inference
+    assert "#SBATCH --gpus-per-node=8" in inference
+    assert "GPUs: inference instance -> tp 16 over 2 nodes, all 8 GPUs of each of its nodes (one task a node)" \
+        in describe(plan, cfg, "slurm")
+
+
 def test_a_cpu_only_job_says_nothing_about_gpus():
     from rlhpc.cluster.hetjob import describe, make_plan, render_script
 

@@ -146,16 +146,17 @@ def composed(*overrides: str):
 GLM5_WITHOUT_EP = ["+exp=glm5", "trainer.num_ranks=16", "trainer.ep=1", "trainer.groups_per_step=64",
                    "trainer.micro_batch_tokens=8192", "inference.num_workers=4", "inference.max_model_len=32768",
                    "inference.tensor_parallel_size=4", "inference.disaggregation.enabled=true",
-                   "inference.disaggregation.prefill_tensor_parallel_size=4", "cluster.trainer.nodes=2",
-                   "cluster.inference.nodes=4"]
+                   "inference.disaggregation.prefill_tensor_parallel_size=4", "inference.nodes_per_instance=1",
+                   "cluster.trainer.nodes=2", "cluster.inference.nodes=4"]
 
 
 def test_glm5_without_expert_parallelism_fits_no_number_of_80_gib_gpus(tmp_path, monkeypatch, capsys):
     """GLM-5 is 744B parameters. Without expert parallelism one MoE block (256 experts, 9.9B parameters) is all-gathered
     whole on every trainer rank: 9.9B x (2 B + 2 B prefetched + 4 B float32 gradients) = 73.6 GiB, plus the activations
     of a 32768-token micro-batch even checkpointed (47.3 GiB): more than 80 GiB before any sharded state, so no number
-    of ranks fits. Inference: 744B fp8 weights over tp=4 are 174 GiB per GPU; only tp=16 fits, more than a node's 8
-    GPUs. Both refusals are what the arithmetic says, not a limit of the check."""
+    of ranks fits. Inference: 744B fp8 weights over tp=4 are 174 GiB per GPU; only tp=16 fits, an instance over two
+    8-GPU nodes, which prefill/decode disaggregation does not run. Both refusals are what the arithmetic says, not a
+    limit of the check."""
     from rlhpc.launch import launch
 
     monkeypatch.setenv("RLHPC_MODEL_PATH", str(tmp_path / "glm5-checkpoint"))
@@ -170,11 +171,36 @@ def test_glm5_without_expert_parallelism_fits_no_number_of_80_gib_gpus(tmp_path,
     assert out.index("memory per GPU") < out.index("----- job script -----")  # the table comes before the script
     assert "error: this plan cannot run" in err
     assert "no number of ranks fits" in err and "expert parallelism" in err
-    assert "tensor parallelism 16 would fit" in err and "one node's 8 GPUs" in err
+    assert ("tensor parallelism 16 would fit, as one instance over 2 nodes of 8 GPUs: set "
+            "inference.disaggregation.enabled=false, inference.tensor_parallel_size=16 and "
+            "inference.nodes_per_instance=2") in err
     for key in ("trainer.num_ranks", "trainer.ep", "cluster.gpu_memory_gb", "inference.tensor_parallel_size",
-                "inference.disaggregation.prefill_tensor_parallel_size", "inference.quantization"):
+                "inference.disaggregation.prefill_tensor_parallel_size", "inference.quantization",
+                "inference.nodes_per_instance", "inference.disaggregation.enabled"):
         assert key in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("exp,tp,says", [
+    # GLM-5 on 80 GB: 86.8 GiB of FP8 weights a GPU at tp 8, a whole node; tp 16 (43.4 GiB) takes two nodes.
+    ("glm5", 8, "tensor parallelism 16 would fit, as one instance over 2 nodes of 8 GPUs: set "
+                "inference.tensor_parallel_size=16 and inference.nodes_per_instance=2"),
+    # MiniMax-M2 on 80 GB: 107 GiB a GPU at tp 2; tp 4 (53.5 GiB) fits in a node.
+    ("minimax_m2", 2, "tensor parallelism 4 would fit (inference.tensor_parallel_size)."),
+])
+def test_a_too_small_tp_is_refused_naming_the_smallest_that_fits_and_the_nodes_it_takes(exp, tp, says, tmp_path,
+                                                                                       monkeypatch, capsys):
+    from rlhpc.launch import launch
+
+    monkeypatch.setenv("RLHPC_MODEL_PATH", str(tmp_path / "checkpoint"))
+    cfg = composed(f"+exp={exp}", f"inference.tensor_parallel_size={tp}", "inference.nodes_per_instance=1",
+                   "inference.engines_per_node=1", "inference.num_workers=8", "cluster.inference.nodes=8",
+                   "launcher=slurm", "dry_run=true", f"run_dir={tmp_path}/run")
+    assert launch(cfg) == 2
+    err = capsys.readouterr().err
+    assert "The engine instance needs" in err and says in err
+    assert ("inference.nodes_per_instance" in err) == (exp == "glm5")  # named only where one node is too few
+    assert "A trainer rank" not in err
 
 
 @pytest.mark.parametrize("ranks,ep,why", [

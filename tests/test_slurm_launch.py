@@ -111,6 +111,11 @@ def composed(*overrides: str):
         return config_mod.to_typed(compose(config_name="config", overrides=[*SMALL, "run_dir=/tmp/x", *overrides]))
 
 
+# One vLLM instance over 2 nodes of 8 GPUs per worker (inference.nodes_per_instance), as +exp=glm5 on 80 GB GPUs.
+TWO_NODE_INSTANCE = ["inference=vllm", "inference.tensor_parallel_size=16", "inference.nodes_per_instance=2",
+                     "cluster.inference.gpus_per_node=8"]
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["trainer.num_ranks=2", "cluster.trainer.tasks_per_node=1"], "cluster.trainer.tasks_per_node"),
     (["inference.num_workers=3", "cluster.inference.nodes=2"], "cluster.inference.nodes"),
@@ -120,6 +125,10 @@ def composed(*overrides: str):
     (["cluster.inference.gpus_per_node=4", "inference.engine=vllm", "inference.num_workers=2"],
      "inference.engines_per_node"),
     (["cluster.inference.time_min=2", "cluster.grace_s=120"], "cluster.grace_s"),
+    # Instances over 2 nodes: 2 workers are 4 tasks, one a node.
+    ([*TWO_NODE_INSTANCE, "inference.num_workers=2", "cluster.inference.nodes=2"], "cluster.inference.nodes"),
+    ([*TWO_NODE_INSTANCE, "inference.num_workers=2", "cluster.inference.nodes=2",
+      "cluster.inference.tasks_per_node=2"], "cluster.inference.tasks_per_node"),
 ])
 def test_a_job_the_cluster_settings_cannot_run_is_refused_naming_the_key(overrides, key):
     from rlhpc.cluster.hetjob import make_plan
@@ -127,6 +136,38 @@ def test_a_job_the_cluster_settings_cannot_run_is_refused_naming_the_key(overrid
 
     with pytest.raises(ConfigError, match=re.escape(f"`{key}`")):
         make_plan(composed(*overrides))
+
+
+def test_an_instance_over_two_nodes_is_two_tasks_of_the_inference_component_one_a_node():
+    from rlhpc.cluster.hetjob import describe, make_plan, render_script
+
+    cfg = composed(*TWO_NODE_INSTANCE, "inference.num_workers=3", "cluster.inference.nodes=6")
+    plan = make_plan(cfg)
+    script = render_script(plan)
+    assert "export RLHPC_NODES_PER_INSTANCE=2" in script.splitlines()  # how a task tells a worker from a follower
+    inference = script.partition("#SBATCH hetjob")[2].partition("\nexport ")[0]
+    for line in ("# component 1: inference (6 tasks)", "#SBATCH --nodes=6", "#SBATCH --ntasks-per-node=1",
+                 "#SBATCH --gpus-per-node=8"):
+        assert line in inference.splitlines()
+    assert "task t is worker t // 2, vLLM node rank t % 2" in inference
+    text = describe(plan, cfg, "slurm")
+    assert "component 1 inference 6 node(s) x 1 task(s) = 6 task(s): 3 worker(s) x 2 nodes" in text
+    assert "instance 2: nodes 4-5 of component 1, leader on 4, follower on 5" in text
+    assert "weights group: 4 members (trainer rank 0 + 3 inference workers, the leaders)" in text
+
+
+def test_an_allocation_without_a_task_per_node_of_each_instance_is_refused_naming_the_key(tmp_path, monkeypatch,
+                                                                                          capsys):
+    # sbatch/rlhpc.sbatch runs the launch step inside its allocation: 3 workers over 2 nodes each need 6 tasks.
+    from rlhpc.cluster.slurm_launcher import SlurmLauncher
+    from rlhpc.rundir import RunDir
+
+    launcher = SlurmLauncher(composed(*TWO_NODE_INSTANCE, "inference.num_workers=3", "cluster.inference.nodes=6"))
+    for key, value in {"SLURM_JOB_ID": "77", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "3"}.items():
+        monkeypatch.setenv(key, value)
+    assert launcher.prepared_only(RunDir(tmp_path), tmp_path / "job.sbatch") == 2
+    assert ("config key `inference.num_workers`: the config wants 6 inference task(s) (inference.num_workers x "
+            "inference.nodes_per_instance=2, one a node), but component 1 of job 77 has 3") in capsys.readouterr().err
 
 
 def test_the_launch_refuses_such_a_job_before_anything_starts(tmp_path):
@@ -390,3 +431,28 @@ def test_the_sbatch_template_runs_a_chosen_experiment_and_checks_its_allocation(
 
     assert {s for _, s, _ in wait_final(bad_id, timeout=120).values()} == {"FAILED"}
     assert "`inference.num_workers`" in (tmp_path / f"rlhpc-{bad_id}.out").read_text()
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_vllm_instance_over_two_nodes_of_the_job_trains_and_its_follower_ends(cluster, tmp_path):
+    """inference.nodes_per_instance=2 on the real cluster: the inference component's two tasks (two Slurm nodes) are
+    worker 0 (vLLM node rank 0) and its follower (node rank 1), tp=2 over both; the job ends COMPLETED."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash .ci/install-vllm.sh)")
+    run_dir = cluster.track(tmp_path / "run")
+    proc = launch("sft.steps=0", "trainer.steps=3", "trainer.groups_per_step=2", "inference.groups_per_batch=2",
+                  "algo.group_size=4", "eval.interval=0", "launcher.progress=false", *ON_CLUSTER, "launcher.wait=true",
+                  "inference.engine=vllm", "inference.tensor_parallel_size=2", "inference.nodes_per_instance=2",
+                  "inference.num_workers=1", "inference.kv_cache_gb=0.0625", "cluster.inference.nodes=2",
+                  f"run_dir={run_dir}", cwd=tmp_path, timeout=800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (job_id,) = cluster.job_ids(run_dir)
+    assert all(r[1] == "COMPLETED" for r in wait_final(job_id, timeout=60).values())
+    assert json.loads((run_dir / "summary.json").read_text())["rl_steps"] == 3
+    follower = (run_dir / "logs" / "follower-0.log").read_text()
+    assert "starting follower rank 0/1" in follower
+    assert "joining worker 0's instance as node rank 1 of 2" in follower
+    assert "the run is done; exiting" in follower
+    assert "weights version 3" in (run_dir / "logs" / "inference-0.log").read_text()

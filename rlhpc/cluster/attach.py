@@ -102,6 +102,10 @@ def attachment(cmd: Config, overrides: Iterable[str]) -> Attachment:
     if cfg.launcher.name not in ("local", "slurm"):
         raise ConfigError(f"config key `launcher.name`: attach=inference runs with launcher=local or launcher=slurm, "
                           f"not {cfg.launcher.name!r}")
+    if cfg.inference.nodes_per_instance > 1:
+        raise ConfigError(f"config key `inference.nodes_per_instance`: attached workers run instances on one node; "
+                          f"the run has {cfg.inference.nodes_per_instance} nodes per instance: set it to 1 (with an "
+                          f"inference.tensor_parallel_size that fits one node)")
     if cfg.inference.serve and cfg.weights.transport == "broadcast" and not cfg.inference.serve_open:
         raise ConfigError("config key `inference.serve`: attached workers cannot serve with the run's token over "
                           "weights.transport=broadcast yet; set inference.serve=false (or inference.serve_open=true)")

@@ -3,6 +3,9 @@
 Component 0 runs the trainer ranks, component 1 the inference workers (the order rlhpc.cluster.slurm_identity relies
 on). One `srun --het-group=0,1` starts every role through the same entry point as the local launcher,
 `python -m rlhpc.role`; each task finds its role and rank in Slurm's environment and logs to run_dir/logs/.
+An instance over several nodes (`inference.nodes_per_instance` = N > 1) is N tasks of component 1, one a node: the
+component has inference.num_workers x N tasks, and task t is worker t // N's vLLM node rank t % N (0: the leader, the
+rlhpc worker; 1..N-1: followers that run only vLLM's model workers).
 
 The batch shell owns two duties the roles cannot: it forwards SIGUSR1/SIGTERM to the roles (Slurm signals only the
 batch shell with `--signal=B:USR1@grace`), and when the trainer checkpointed and wrote status/REQUEUE it requeues the
@@ -50,6 +53,7 @@ class JobPlan:
     python: str
     setup: List[str]
     max_restarts: int = 0  # inference.max_restarts: a dead worker's task is restarted inside the job
+    nodes_per_instance: int = 1  # inference.nodes_per_instance: the tasks (one a node) of each inference worker
 
     @property
     def trainer(self) -> GroupPlan:
@@ -69,27 +73,39 @@ def _group(cfg: Config, component: int) -> GroupPlan:
     role = ROLES[component]
     g: SlurmGroupConfig = getattr(cfg.cluster, role)
     key = f"cluster.{role}"
+    n = cfg.inference.nodes_per_instance if role == "inference" else 1
     if role == "trainer":
         tasks, tasks_key = cfg.trainer.num_ranks, "trainer.num_ranks"
-    else:
-        tasks, tasks_key = cfg.inference.num_workers, "inference.num_workers"
+    else:  # config validation keeps nodes_per_instance >= 1
+        tasks, tasks_key = cfg.inference.num_workers * n, "inference.num_workers"
+    # How the count reads in a message: "inference.num_workers=3", or "inference.num_workers=4 x
+    # inference.nodes_per_instance=2 = 8" for instances over several nodes.
+    count = (f"{tasks_key}={tasks}" if n == 1
+             else f"{tasks_key}={cfg.inference.num_workers} x inference.nodes_per_instance={n} = {tasks}")
     _need(g.nodes >= 1, f"{key}.nodes", "must be >= 1")
     _need(g.cpus_per_task >= 1, f"{key}.cpus_per_task", "must be >= 1")
     _need(g.gpus_per_node >= 0, f"{key}.gpus_per_node", "must be >= 0")
     _need(g.mem_gb >= 0, f"{key}.mem_gb", "must be >= 0 (0: the partition's default)")
     _need(g.time_min >= 0, f"{key}.time_min", "must be >= 0 (0: cluster.time_min)")
+    if n > 1:  # an instance takes whole nodes: one task (its leader or a follower) on each
+        _need(g.tasks_per_node in (0, 1), f"{key}.tasks_per_node",
+              f"{g.tasks_per_node}, but an instance over inference.nodes_per_instance={n} nodes runs one task on "
+              "each of its nodes: set it to 1 (or 0 to derive it)")
+        _need(g.nodes == tasks, f"{key}.nodes",
+              f"{g.nodes}, but {count} tasks (per worker a leader and {n - 1} follower(s)) run one to a node: set "
+              f"it to {tasks}")
     if g.tasks_per_node:
         _need(
             g.nodes * g.tasks_per_node == tasks, f"{key}.tasks_per_node",
             f"{g.nodes} node(s) x {g.tasks_per_node} task(s) = {g.nodes * g.tasks_per_node} {role} processes, but "
-            f"{tasks_key}={tasks}: make {key}.nodes x {key}.tasks_per_node equal {tasks_key} (or set "
+            f"{count}: make {key}.nodes x {key}.tasks_per_node equal {tasks_key} (or set "
             f"{key}.tasks_per_node=0 to derive it)",
         )
         per_node = g.tasks_per_node
     else:
         _need(
             tasks % g.nodes == 0, f"{key}.nodes",
-            f"{tasks_key}={tasks} {role} processes do not spread evenly over {g.nodes} nodes",
+            f"{count} {role} processes do not spread evenly over {g.nodes} nodes",
         )
         per_node = tasks // g.nodes
     return GroupPlan(role, component, g.nodes, per_node, g.cpus_per_task, g.gpus_per_node, g.mem_gb,
@@ -116,16 +132,18 @@ def make_plan(cfg: Config) -> JobPlan:
             f"{trainer.gpus_per_node}",
         )
     if inference.gpus_per_node:
-        tp = cfg.inference.tensor_parallel_size
+        tp, n = cfg.inference.tensor_parallel_size, cfg.inference.nodes_per_instance
         _need(tp >= 1, "inference.tensor_parallel_size", "must be >= 1")
+        per_task = tp // n  # the GPUs of one node of an instance (config validation keeps n | tp)
+        what = f"{tp}" if n == 1 else f"{tp} over inference.nodes_per_instance={n} nodes, {per_task} GPUs a node,"
         _need(
-            inference.gpus_per_node % tp == 0, "inference.tensor_parallel_size",
-            f"{tp} does not divide the {inference.gpus_per_node} GPUs per node (cluster.inference.gpus_per_node)",
+            inference.gpus_per_node % per_task == 0, "inference.tensor_parallel_size",
+            f"{what} does not divide the {inference.gpus_per_node} GPUs per node (cluster.inference.gpus_per_node)",
         )
         _need(
-            inference.tasks_per_node * tp <= inference.gpus_per_node, "cluster.inference.gpus_per_node",
+            inference.tasks_per_node * per_task <= inference.gpus_per_node, "cluster.inference.gpus_per_node",
             f"{inference.tasks_per_node} workers per node x inference.tensor_parallel_size={tp} need "
-            f"{inference.tasks_per_node * tp} GPUs, but a node has {inference.gpus_per_node}",
+            f"{inference.tasks_per_node * per_task} GPUs, but a node has {inference.gpus_per_node}",
         )
         if cfg.inference.engine == "vllm" and inference.tasks_per_node > 1:
             _need(
@@ -143,6 +161,7 @@ def make_plan(cfg: Config) -> JobPlan:
         python=c.python or sys.executable,
         setup=list(c.setup),
         max_restarts=cfg.inference.max_restarts,
+        nodes_per_instance=cfg.inference.nodes_per_instance,
     )
 
 
@@ -155,6 +174,10 @@ def _sbatch(key: str, value: object = "") -> str:
 
 def _component_lines(plan: JobPlan, g: GroupPlan) -> List[str]:
     lines = [f"# component {g.component}: {g.role} ({g.tasks} task{'s' if g.tasks != 1 else ''})"]
+    n = plan.nodes_per_instance
+    if g.role == "inference" and n > 1:
+        lines.append(f"# one vLLM instance over {n} nodes per worker: {g.tasks // n} workers x {n} tasks, one a node; "
+                     f"task t is worker t // {n}, vLLM node rank t % {n} (0: the leader, the others: followers)")
     for key, value in (("partition", plan.partition), ("account", plan.account), ("qos", plan.qos)):
         if value:
             lines.append(_sbatch(key, value))
@@ -173,13 +196,14 @@ def _component_lines(plan: JobPlan, g: GroupPlan) -> List[str]:
 
 
 # Each task: find its log name (role-rank) from Slurm's variables, then run the role entry point. An inference worker
-# that dies while the run goes on (killed, crashed; not stopped by a signal, the run not DONE or FAILED) is started
-# again inside the job, up to inference.max_restarts times: it rejoins at the newest weights snapshot. Slurm signals
+# (or a follower of its instance: rlhpc/infer/follower.py) that dies while the run goes on (killed, crashed; not
+# stopped by a signal, the run not DONE or FAILED) is started again inside the job, up to inference.max_restarts
+# times: it rejoins at the newest weights snapshot. Slurm signals
 # every process of the step (measured: srun's forwarded USR1 reaches this shell and the role once each), so the shell
 # only notes a signal (a stopped role is not restarted) and the role handles it itself.
 _TASK = (
     'name=$("$RLHPC_PYTHON" -m rlhpc.cluster.slurm_identity) || exit 1; export LOCAL_RANK=$SLURM_LOCALID; '
-    'max=0; [[ $name == inference-* ]] && max=$RLHPC_MAX_RESTARTS; n=0; stopped=""; '
+    'max=0; [[ $name == inference-* || $name == follower-* ]] && max=$RLHPC_MAX_RESTARTS; n=0; stopped=""; '
     'trap "stopped=1" USR1 TERM INT; '
     'while true; do '
     'RLHPC_RESTART=$n RLHPC_RESTARTS_LEFT=$((max - n)) "$RLHPC_PYTHON" -m rlhpc.role >>"$RLHPC_RUN_DIR/logs/$name.log" 2>&1; '
@@ -262,6 +286,8 @@ def render_script(plan: JobPlan, exp_name: str = "") -> str:
         f"export RLHPC_PYTHON={shlex.quote(plan.python)}",
         f"export RLHPC_REQUEUE={int(plan.requeue)}",
         f"export RLHPC_MAX_RESTARTS={plan.max_restarts}",
+        # inference.nodes_per_instance: rlhpc.cluster.slurm_identity reads it to tell a worker from its followers
+        f"export RLHPC_NODES_PER_INSTANCE={plan.nodes_per_instance}",
         "export PYTHONUNBUFFERED=1",
     ]
     if plan.trainer.gpus_per_node or plan.inference.gpus_per_node:
@@ -288,8 +314,34 @@ def gpu_binding(plan: JobPlan, cfg: Config) -> List[str]:
         inf, pd = cfg.inference, cfg.inference.disaggregation
         per = inf.tensor_parallel_size if inf.engine == "vllm" else 1
         per += (pd.prefill_tensor_parallel_size or per) if pd.enabled else 0  # prefill and decode instances
-        lines.append(f"  GPUs: inference worker -> {per} GPU(s) from LOCAL_RANK x {per} "
-                     f"(of {plan.inference.gpus_per_node} per node)")
+        n = inf.nodes_per_instance
+        if n > 1:
+            lines.append(f"  GPUs: inference instance -> tp {per} over {n} nodes, all {per // n} GPUs of each of "
+                         "its nodes (one task a node)")
+        else:
+            lines.append(f"  GPUs: inference worker -> {per} GPU(s) from LOCAL_RANK x {per} "
+                         f"(of {plan.inference.gpus_per_node} per node)")
+    return lines
+
+
+def instance_nodes(cfg: Config) -> List[str]:
+    """Which tasks (one a node) of the inference component make each instance, when an instance spans nodes: task t
+    is worker t // N's vLLM node rank t % N (N = inference.nodes_per_instance; rlhpc.cluster.slurm_identity)."""
+    n, workers = cfg.inference.nodes_per_instance, cfg.inference.num_workers
+    if n <= 1:
+        return []
+    lines = [f"  instances over {n} nodes: task t of component 1 (one a node) is worker t // {n}, vLLM node rank "
+             f"t % {n}; node rank 0 is the leader (the rlhpc worker), the others followers (vLLM's headless model "
+             "workers)"]
+    shown = range(workers) if workers <= 4 else [0, 1, None, workers - 1]
+    for w in shown:
+        if w is None:
+            lines.append("    ...")
+            continue
+        first, last = w * n, w * n + n - 1
+        followers = f"{first + 1}" if n == 2 else f"{first + 1}-{last}"
+        lines.append(f"    instance {w}: nodes {first}-{last} of component 1, leader on {first}, "
+                     f"follower{'s' if n > 2 else ''} on {followers}")
     return lines
 
 
@@ -300,24 +352,30 @@ def describe(plan: JobPlan, cfg: Config, launcher: str) -> str:
         f"launcher={launcher}: one heterogeneous Slurm job `{plan.name}`{f' ({where})' if where else ''}",
         f"  run_dir: {plan.run_dir}",
     ]
+    n = cfg.inference.nodes_per_instance
     for g in plan.groups:
-        unit = "rank" if g.role == "trainer" else "worker"
+        if g.role == "trainer":
+            unit = "rank(s)"
+        else:
+            unit = "worker(s)" if n == 1 else f"task(s): {cfg.inference.num_workers} worker(s) x {n} nodes"
         lines.append(
             f"  component {g.component} {g.role:<9} {g.nodes} node(s) x {g.tasks_per_node} task(s) = "
-            f"{g.tasks} {unit}(s); "
+            f"{g.tasks} {unit}; "
             f"{g.cpus_per_task} CPU(s)/task, {g.gpus_per_node} GPU(s)/node, "
             f"{f'{g.mem_gb} GB/node' if g.mem_gb else 'default memory'}, {g.time_min} min"
         )
     w = cfg.weights
     lines += [
         f"  inference engine: {cfg.inference.engine} (tensor_parallel_size {cfg.inference.tensor_parallel_size}, "
-        f"engines_per_node {cfg.inference.engines_per_node}, weights {cfg.inference.quantization or cfg.model.dtype}, "
+        f"engines_per_node {cfg.inference.engines_per_node}, nodes_per_instance {n}, "
+        f"weights {cfg.inference.quantization or cfg.model.dtype}, "
         f"kv cache {cfg.inference.kv_cache_dtype}"
         + (f", kv_transfer_config {dict(cfg.inference.kv_transfer_config)}" if cfg.inference.kv_transfer_config
            else "") + ")",
         *gpu_binding(plan, cfg),
-        f"  weights group: {plan.inference.tasks + 1} members (trainer rank 0 + {plan.inference.tasks} inference "
-        f"workers), transport {w.transport}",
+        *instance_nodes(cfg),
+        f"  weights group: {cfg.inference.num_workers + 1} members (trainer rank 0 + {cfg.inference.num_workers} "
+        f"inference workers{', the leaders' if n > 1 else ''}), transport {w.transport}",
         f"  steps: sft={cfg.sft.steps} rl={cfg.trainer.steps} async_level={cfg.async_level} "
         f"groups_per_step={cfg.trainer.groups_per_step}",
         f"  preemption: SIGUSR1 {plan.grace_s}s before the time limit -> checkpoint, "

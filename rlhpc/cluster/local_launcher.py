@@ -26,6 +26,7 @@ from rlhpc.rundir import RunDir, read_json
 class Proc:
     role: str
     rank: int
+    size: int
     popen: subprocess.Popen
     log: IO
 
@@ -63,7 +64,7 @@ class LocalLauncher:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.procs: List[Proc] = []
-        self.restarts: dict = {}  # inference rank -> times restarted
+        self.restarts: dict = {}  # name of an inference worker or follower -> times restarted
         self.env: dict = {}  # added to every role's environment (attached workers: rlhpc.cluster.attach)
 
     def plan(self) -> str:
@@ -72,7 +73,10 @@ class LocalLauncher:
             f"launcher=local run_dir={c.run_dir}\n"
             f"  trainer:   {c.trainer.num_ranks} process(es), {c.trainer.threads} thread(s) each\n"
             f"  inference: {c.inference.num_workers} process(es), engine={c.inference.engine}\n"
-            f"  weights group: {c.inference.num_workers + 1} members ({c.weights.transport})\n"
+            + (f"  followers: {c.inference.num_workers * (c.inference.nodes_per_instance - 1)} process(es): each "
+               f"instance spans {c.inference.nodes_per_instance} 'nodes' (inference.nodes_per_instance), here all on "
+               f"this machine\n" if c.inference.nodes_per_instance > 1 else "")
+            + f"  weights group: {c.inference.num_workers + 1} members ({c.weights.transport})\n"
             f"  steps: sft={c.sft.steps} rl={c.trainer.steps} async_level={c.async_level}"
         ) + "".join("\n" + line for line in disagg_describe(c.inference))
 
@@ -88,7 +92,7 @@ class LocalLauncher:
             [sys.executable, "-m", "rlhpc.role"], env=env, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,  # its own process group, ended as one
         )
-        return Proc(role, rank, popen, log)
+        return Proc(role, rank, size, popen, log)
 
     def start(self, run: RunDir) -> int:
         self.attempt = f"{int(time.time())}-{os.getpid()}"
@@ -107,6 +111,11 @@ class LocalLauncher:
                 self.procs.append(self.spawn(run, "trainer", r, cfg.trainer.num_ranks, master))
             for r in range(cfg.inference.num_workers):
                 self.procs.append(self.spawn(run, "inference", r, cfg.inference.num_workers,
+                                             {"RLHPC_RESTARTS_LEFT": str(cfg.inference.max_restarts)}))
+            # The other "nodes" of instances that span several (rlhpc/infer/follower.py), here on this machine.
+            followers = cfg.inference.num_workers * (cfg.inference.nodes_per_instance - 1)
+            for r in range(followers):
+                self.procs.append(self.spawn(run, "follower", r, followers,
                                              {"RLHPC_RESTARTS_LEFT": str(cfg.inference.max_restarts)}))
             print(f"run_dir: {run.root}\nlogs:    {run.logs}/  (tensorboard --logdir {run.tb})", flush=True)
             code = self.watch(run, t0, stop)
@@ -158,16 +167,17 @@ class LocalLauncher:
                 bar.close()
 
     def restart(self, run: RunDir, p: Proc) -> bool:
-        """Starts a dead inference worker again if it has restarts left and the run goes on; True if it did."""
-        n, limit = self.restarts.get(p.rank, 0), self.cfg.inference.max_restarts
-        if p.role != "inference" or n >= limit or run.done.exists() or run.failed.exists():
+        """Starts a dead inference worker (or follower) again if it has restarts left and the run goes on; True if it
+        did."""
+        n, limit = self.restarts.get(p.name, 0), self.cfg.inference.max_restarts
+        if p.role not in ("inference", "follower") or n >= limit or run.done.exists() or run.failed.exists():
             return False
-        self.restarts[p.rank] = n + 1
+        self.restarts[p.name] = n + 1
         print(f"\n{p.name} exited with code {p.popen.returncode}; restarting it ({n + 1} of inference.max_restarts="
               f"{limit}); last lines of its log:\n{tail(run.log_file(p.role, p.rank), 5)}", file=sys.stderr, flush=True)
         _killpg(p.popen.pid, signal.SIGKILL)  # what is left of its process group (environment pool processes)
         p.log.close()
-        new = self.spawn(run, "inference", p.rank, self.cfg.inference.num_workers,
+        new = self.spawn(run, p.role, p.rank, p.size,
                          {"RLHPC_RESTART": str(n + 1), "RLHPC_RESTARTS_LEFT": str(limit - n - 1)})
         self.procs[self.procs.index(p)] = new
         return True

@@ -32,7 +32,8 @@ max_model_len tokens, gets one of its own) and a(block) the activation elements 
 naming trainer.ep otherwise); with trainer.cp > 1 the attention heads must divide by cp and the model must take packed
 rows (refused naming trainer.cp otherwise; GLM-5's DSA attention does not).
 
-inference instance (tensor_parallel_size GPUs, vLLM):
+inference instance (tensor_parallel_size GPUs, vLLM; over inference.nodes_per_instance nodes, tp / nodes_per_instance
+GPUs on each, when one node's GPUs cannot hold it; the estimate per GPU is the same):
     weights  = (P - embeddings - lm_head) x serving bytes / tp + (embeddings + lm_head) x model.dtype bytes / tp
                (fp8: 1 byte; vLLM keeps the vocabulary matrices in the checkpoint's dtype)
     KV cache = max_model_len x kv bytes per token, against gpu_memory_gb x gpu_memory_utilization - weights
@@ -371,7 +372,9 @@ def _meshes(cfg, out: MemoryPlan) -> List[Tuple[str, int, str]]:
     if pd.enabled:
         instances.insert(0, ("prefill", pd.prefill_tensor_parallel_size or inf.tensor_parallel_size,
                              "inference.disaggregation.prefill_tensor_parallel_size"))
-    layout = " + ".join(f"1 {name} instance (tp={tp})" for name, tp, _ in instances)
+    n = inf.nodes_per_instance  # config validation keeps it >= 1, dividing tp, and 1 with disaggregation
+    over = f" over {n} nodes, {inf.tensor_parallel_size // n} GPUs a node" if n > 1 else ""
+    layout = " + ".join(f"1 {name} instance (tp={tp}{over})" for name, tp, _ in instances)
     out.lines.append(f"  inference mesh: {inf.num_workers} worker(s) x [{layout}]")
     return instances
 
@@ -542,7 +545,8 @@ def _inference(cfg, hf, counts: ParamCount, gpu_gb: float, instances, out: Memor
             out.problems.append(f"the {name} instance's tensor parallelism {tp} ({key}) {divides}.")
             out.keys.append(key)
         w, kv_seq = need(tp)
-        out.lines.append(f"   inference {name} instance, per GPU of tp={tp} (weights "
+        nodes = f" over {inf.nodes_per_instance} nodes" if inf.nodes_per_instance > 1 else ""
+        out.lines.append(f"   inference {name} instance, per GPU of tp={tp}{nodes} (weights "
                          f"{inf.quantization or cfg.model.dtype}, kv cache {inf.kv_cache_dtype}):")
         out.lines.append(_row("weights", w, f"{_params(P)} x {serve} B / {tp} (vocabulary matrices at "
                                             f"{dtype_bytes} B)"))
@@ -556,15 +560,36 @@ def _inference(cfg, hf, counts: ParamCount, gpu_gb: float, instances, out: Memor
         if w + kv_seq <= usable:
             continue
         tps = [t for t in (2, 4, 8, 16, 32, 64) if t > tp and not _divides(hf, t) and sum(need(t)) <= usable]
-        how = f"tensor parallelism {tps[0]} would fit ({key})" if tps else "no tensor parallelism up to 64 fits"
-        node = cfg.cluster.inference.gpus_per_node
-        if tps and node and tps[0] > node:
-            how += (f", but an instance must fit in one node's {node} GPUs (cluster.inference.gpus_per_node): "
-                    "rlhpc runs no vLLM instance across nodes")
+        how, more = _larger_tp(cfg, tps, key)
         out.problems.append(f"the {name} instance needs {_gib(w + kv_seq)} per GPU (weights and one max_model_len "
                             f"sequence of KV cache), more than the {_gib(usable)} usable; {how}.")
-        out.keys += [key, "inference.quantization", "inference.max_model_len", "inference.gpu_memory_utilization",
-                     "cluster.gpu_memory_gb"]
+        out.keys += [key, *more, "inference.quantization", "inference.max_model_len",
+                     "inference.gpu_memory_utilization", "cluster.gpu_memory_gb"]
+
+
+def _larger_tp(cfg, tps: List[int], key: str) -> Tuple[str, List[str]]:
+    """What the refusal of an instance too large for its GPUs proposes, of the tensor parallelisms `tps` that would
+    fit (smallest first), and the keys that proposal adds. One that exceeds a node's GPUs is an instance over whole
+    nodes: tp / gpus_per_node of them (inference.nodes_per_instance), which prefill/decode disaggregation does not
+    take."""
+    node = cfg.cluster.inference.gpus_per_node
+    if not tps:
+        return "no tensor parallelism up to 64 fits", []
+    if not node or tps[0] <= node:
+        return f"tensor parallelism {tps[0]} would fit ({key})", []
+    whole = [t for t in tps if t % node == 0]
+    if not whole:
+        return (f"tensor parallelism {tps[0]} would fit, more GPUs than a node's {node} and not a multiple of them "
+                "(an instance over several nodes takes every GPU of each; cluster.inference.gpus_per_node)", [])
+    t = whole[0]
+    how = f"tensor parallelism {t} would fit, as one instance over {t // node} nodes of {node} GPUs: set "
+    if cfg.inference.disaggregation.enabled:  # a prefill/decode pair shares one node; a multi-node instance is alone
+        return (how + f"inference.disaggregation.enabled=false, inference.tensor_parallel_size={t} and "
+                f"inference.nodes_per_instance={t // node} (one instance per worker: prefill/decode disaggregation "
+                "keeps a worker's instances in one node)",
+                ["inference.tensor_parallel_size", "inference.nodes_per_instance",
+                 "inference.disaggregation.enabled"])
+    return how + f"{key}={t} and inference.nodes_per_instance={t // node}", ["inference.nodes_per_instance"]
 
 
 def _divides(hf, tp: int) -> str:

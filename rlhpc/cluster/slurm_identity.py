@@ -6,6 +6,9 @@ order, so task p belongs to the first component k with p < NTASKS_HET_GROUP_0 + 
 within the role is p minus the tasks before that component. Every task sees the leader's `SLURM_JOB_ID`.
 
     python -m rlhpc.cluster.slurm_identity      # prints "trainer-0", "inference-1", ...: the task's log name
+
+With vLLM instances over several nodes (RLHPC_NODES_PER_INSTANCE=N, from inference.nodes_per_instance), the inference
+component has N tasks per worker: the worker and N - 1 followers ("follower-<f>"; see _instance_place).
 """
 
 from __future__ import annotations
@@ -58,9 +61,24 @@ def role_and_rank(env: Mapping[str, str]) -> Tuple[str, int, int]:
     first = 0
     for role, size in zip(ROLES, sizes):
         if procid < first + size:
-            return role, procid - first, size
+            return _instance_place(role, procid - first, size, int(env.get("RLHPC_NODES_PER_INSTANCE") or 1))
         first += size
     raise SlurmIdentityError(f"SLURM_PROCID={procid} is outside the job's {sum(sizes)} tasks")
+
+
+def _instance_place(role: str, task: int, size: int, nodes: int) -> Tuple[str, int, int]:
+    """With vLLM instances over `nodes` nodes (inference.nodes_per_instance; the job script exports it), task t of the
+    inference component is worker t // nodes's node rank t % nodes: rank 0 is the worker itself, the others are its
+    followers (rlhpc/infer/follower.py), numbered w x (nodes - 1) + node rank - 1."""
+    if role != "inference" or nodes <= 1:
+        return role, task, size
+    if size % nodes:
+        raise SlurmIdentityError(f"the inference component has {size} tasks, not a multiple of "
+                                 f"RLHPC_NODES_PER_INSTANCE={nodes} (inference.nodes_per_instance)")
+    worker, node_rank = divmod(task, nodes)
+    if node_rank == 0:
+        return "inference", worker, size // nodes
+    return "follower", worker * (nodes - 1) + node_rank - 1, size // nodes * (nodes - 1)
 
 
 def attempt(env: Mapping[str, str]) -> str:

@@ -105,12 +105,16 @@ class SlurmLauncher:
         if job_id is None or "SLURM_NTASKS_HET_GROUP_0" not in os.environ:
             print(f"wrote {script}\nsubmit it with: sbatch {script}", flush=True)
             return 0
+        n = self.cfg.inference.nodes_per_instance
         for k, g in enumerate(self.job.groups):
             have = int(os.environ.get(f"SLURM_NTASKS_HET_GROUP_{k}", "0"))
             if have != g.tasks:
                 key = "trainer.num_ranks" if g.role == "trainer" else "inference.num_workers"
-                print(f"error: config key `{key}`: the config wants {g.tasks} {g.role} task(s), but component {k} of "
-                      f"job {job_id} has {have}: change {key} or that component's #SBATCH lines", file=sys.stderr)
+                why = (f" ({key} x inference.nodes_per_instance={n}, one a node)" if g.role == "inference" and n > 1
+                       else "")
+                print(f"error: config key `{key}`: the config wants {g.tasks} {g.role} task(s){why}, but component "
+                      f"{k} of job {job_id} has {have}: change {key} or that component's #SBATCH lines",
+                      file=sys.stderr)
                 return 2
         if job_id not in [j["job_id"] for j in slurm_jobs.recorded_jobs(run)]:  # not again after a requeue
             slurm_jobs.record_job(run, {"job_id": job_id, "name": os.environ.get("SLURM_JOB_NAME", ""),

@@ -21,6 +21,7 @@ from rlhpc import env as env_mod
 from rlhpc import models
 from rlhpc.config import Config
 from rlhpc.infer.engines import make_engine
+from rlhpc.infer.follower import leading
 from rlhpc.metrics import Metrics
 from rlhpc.transport.queue import Queue
 from rlhpc.identity import Identity
@@ -49,8 +50,13 @@ def _run_worker(cfg: Config, ident: Identity, run: RunDir) -> None:
     wait_for(ready.exists, cfg.inference.startup_timeout_s, f"{ready} (the trainer's warm start)", poll_s=0.5,
              abort=lambda: _failed(run))
     tokenizer = models.load_tokenizer(run.model)
-    engine = make_engine(cfg.inference.engine, str(run.model), cfg.model.dtype, cfg=cfg.inference, run_dir=str(run.root),
-                         seed=cfg.seed * 1000 + rank)
+    seed = cfg.seed * 1000 + rank
+    with leading(cfg, ident, run, str(run.model), seed) as inference:  # one instance over several nodes: follower.py
+        _run_engine(cfg, ident, run, make_engine(cfg.inference.engine, str(run.model), cfg.model.dtype, cfg=inference,
+                                                run_dir=str(run.root), seed=seed), tokenizer)
+
+
+def _run_engine(cfg: Config, ident: Identity, run: RunDir, engine, tokenizer) -> None:
     env = env_mod.load(cfg.env)
     pool = EnvPool(cfg.env)  # rewards, tools and replies run here, beside generation
     server = None

@@ -77,7 +77,7 @@ def vllm_files(run_dir: Optional[str]) -> Path:
     env = {
         "VLLM_CACHE_ROOT": root / "cache",
         "VLLM_CONFIG_ROOT": root / "config",
-        "VLLM_RPC_BASE_PATH": root / "rpc",
+        "VLLM_RPC_BASE_PATH": _rpc_folder(root / "rpc"),
         "TORCHINDUCTOR_CACHE_DIR": root / "inductor",
         "TRITON_CACHE_DIR": root / "triton",
     }
@@ -87,6 +87,18 @@ def vllm_files(run_dir: Optional[str]) -> Path:
     os.environ["DO_NOT_TRACK"] = "1"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return root
+
+
+# A Unix socket's path has at most 107 bytes; vLLM names its sockets `<VLLM_RPC_BASE_PATH>/<uuid4>` (37 more).
+_MAX_RPC_BASE = 107 - 37
+
+
+def _rpc_folder(wanted: Path) -> Path:
+    """Where vLLM's Unix sockets (tensor_parallel_size > 1) go: under the run directory when its path is short enough
+    for a socket name, else in a fresh folder of this node's temporary directory (a deep run directory)."""
+    if len(str(wanted.absolute())) <= _MAX_RPC_BASE:
+        return wanted
+    return Path(tempfile.mkdtemp(prefix="rlhpc-rpc-"))
 
 
 class _QuietRotaryReload(logging.Filter):
@@ -140,31 +152,7 @@ class VLLMEngine(Engine):
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietRotaryReload())
 
         self.on_gpu = current_platform.is_cuda_alike()
-        args: Dict[str, Any] = dict(
-            model=model_path,
-            dtype=dtype,
-            seed=seed,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            max_model_len=_max_model_len(model_path, cfg.max_model_len),
-            max_num_seqs=cfg.max_num_seqs,
-            enforce_eager=cfg.enforce_eager,
-            quantization=cfg.quantization,
-            kv_cache_dtype=cfg.kv_cache_dtype,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            # The logprobs of softmax(logits / temperature), the distribution sampled from (see the module docstring).
-            logprobs_mode="processed_logprobs",
-            max_logprobs=-1,  # score() at a temperature other than 1 needs the full prompt distribution
-            generation_config="vllm",  # no sampling defaults from the checkpoint's generation_config.json
-        )
-        if self.on_gpu:
-            args.update(_gpu_engine_args(cfg))
-        else:
-            args["kv_cache_memory_bytes"] = int((cfg.kv_cache_gb or _CPU_DEFAULT_KV_CACHE_GB) * (1 << 30))
-        if cfg.kv_transfer_config:
-            from vllm.config import KVTransferConfig
-
-            args["kv_transfer_config"] = KVTransferConfig(**cfg.kv_transfer_config)
-        args.update(cfg.engine_args)
+        args = engine_args(cfg, model_path, dtype, seed, self.on_gpu)
         t0 = time.time()
         self._kv_connector: Any = None  # this engine's worker-side KV connector (see _active)
         with patches.keep_set_num_threads(), patches.tempdir(self.files / "tmp"), self._eager(), \
@@ -412,6 +400,37 @@ class VLLMEngine(Engine):
                 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
                 cleanup_dist_env_and_memory()
+
+
+def engine_args(cfg: InferenceConfig, model_path: str, dtype: str, seed: int, on_gpu: bool) -> Dict[str, Any]:
+    """vLLM's EngineArgs for an instance of `cfg`; the leader of an instance over several nodes and its followers
+    (rlhpc.infer.follower) build theirs here, so that they agree."""
+    args: Dict[str, Any] = dict(
+        model=model_path,
+        dtype=dtype,
+        seed=seed,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        max_model_len=_max_model_len(model_path, cfg.max_model_len),
+        max_num_seqs=cfg.max_num_seqs,
+        enforce_eager=cfg.enforce_eager,
+        quantization=cfg.quantization,
+        kv_cache_dtype=cfg.kv_cache_dtype,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        # The logprobs of softmax(logits / temperature), the distribution sampled from (see the module docstring).
+        logprobs_mode="processed_logprobs",
+        max_logprobs=-1,  # score() at a temperature other than 1 needs the full prompt distribution
+        generation_config="vllm",  # no sampling defaults from the checkpoint's generation_config.json
+    )
+    if on_gpu:
+        args.update(_gpu_engine_args(cfg))
+    else:
+        args["kv_cache_memory_bytes"] = int((cfg.kv_cache_gb or _CPU_DEFAULT_KV_CACHE_GB) * (1 << 30))
+    if cfg.kv_transfer_config:
+        from vllm.config import KVTransferConfig
+
+        args["kv_transfer_config"] = KVTransferConfig(**cfg.kv_transfer_config)
+    args.update(cfg.engine_args)
+    return args
 
 
 def _tied_parameters(worker: Any) -> List[List[str]]:

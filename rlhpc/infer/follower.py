@@ -1,0 +1,244 @@
+"""vLLM instances over several nodes (`inference.nodes_per_instance` > 1): the leader's side and the followers.
+
+A model whose weights do not fit in one node's GPUs (GLM-5 in FP8 on 80 GB GPUs) is served by one vLLM instance over
+N nodes: vLLM's multiprocessing executor with `nnodes=N`. Node rank 0 runs the whole engine (scheduler, sampler
+output, the rlhpc worker around it); node ranks 1..N-1 run only vLLM's model workers ("headless"), which take their
+orders from the leader over vLLM's message queue and join its torch.distributed group.
+
+Rendezvous goes through the run directory, which every node shares: before starting its engine, the leader of worker
+w picks its address and a free port and writes `rendezvous/instance-<w>.json` (a new `id` for every life of the
+leader), then renews the file's modification time every few seconds while it lives (`LEASE_S`). A follower waits for
+a record it has not served yet, starts vLLM's headless executor against it, and watches it: when the leader removes
+it (the worker ended), replaces it (a restarted leader), or stops renewing it (a leader that died without a word; the
+follower measures this with its own clock, so the nodes' clocks need not agree), the follower shuts its executor down
+and waits for the next leader. It ends when the run is DONE or FAILED, when it is asked to stop, or when no leader has
+come for `inference.startup_timeout_s`.
+
+Followers are role `follower`, rank f = w x (N - 1) + (node rank - 1): under Slurm task t of the inference component
+is worker t // N's node rank t % N (rlhpc/cluster/slurm_identity.py); the local launcher starts them beside the
+workers. Weight updates need nothing more: with tensor_parallel_size > 1 the leader writes each update as a file under
+the run directory and every model worker of the instance, followers' included, reloads its shard from there
+(rlhpc/infer/engines/vllm.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional
+
+from rlhpc.config import Config, InferenceConfig
+from rlhpc.identity import Identity
+from rlhpc.procs import free_port
+from rlhpc.rundir import RunDir, read_json, write_json
+from rlhpc.stop import stop_requested
+
+log = logging.getLogger(__name__)
+
+# The leader renews its record this often; a follower gives a leader up after LEASE_S without a renewal.
+RENEW_S = 2.0
+LEASE_S = 30.0
+
+
+def record_path(run: RunDir, worker: int) -> Path:
+    return run.rendezvous / f"instance-{worker}.json"
+
+
+def follower_place(cfg: Config, rank: int) -> tuple[int, int]:
+    """(worker, vLLM node rank) of follower `rank`."""
+    per = cfg.inference.nodes_per_instance - 1
+    return rank // per, rank % per + 1
+
+
+def node_address() -> str:
+    """An address of this node that the instance's other nodes can reach (its host name's)."""
+    host = socket.gethostname()
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return "127.0.0.1"
+
+
+# ---- the leader -----------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def leading(cfg: Config, ident: Identity, run: RunDir, model_path: str, seed: int) -> Iterator[InferenceConfig]:
+    """Around the leader's engine: announces the instance to its followers and yields the inference config that
+    makes vLLM node rank 0 of it; removes the record when the worker ends, which ends the followers' executors."""
+    inf = cfg.inference
+    if inf.nodes_per_instance <= 1:
+        yield inf
+        return
+    addr = node_address()
+    port = free_port("0.0.0.0")
+    path = record_path(run, ident.rank)
+    record = {"id": uuid.uuid4().hex, "worker": ident.rank, "addr": addr, "port": port,
+              "nnodes": inf.nodes_per_instance, "model": model_path, "dtype": cfg.model.dtype, "seed": seed,
+              "host": os.uname().nodename, "pid": os.getpid(), "time": time.time()}
+    write_json(path, record)
+    log.info("instance of worker %d over %d nodes: leader at %s:%d; waiting for its %d follower(s) to join",
+             ident.rank, inf.nodes_per_instance, addr, port, inf.nodes_per_instance - 1)
+    done = threading.Event()
+
+    def renew() -> None:
+        while not done.wait(RENEW_S):
+            with contextlib.suppress(OSError):
+                os.utime(path)
+
+    thread = threading.Thread(target=renew, name="instance-lease", daemon=True)
+    thread.start()
+    args = dict(inf.engine_args, nnodes=inf.nodes_per_instance, node_rank=0, master_addr=addr, master_port=port,
+                distributed_executor_backend="mp")
+    try:
+        yield dataclasses.replace(inf, engine_args=args)
+    finally:
+        done.set()
+        thread.join(timeout=RENEW_S + 1)
+        if (read_json(path) or {}).get("id") == record["id"]:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+# ---- a follower -----------------------------------------------------------------------------------------------------
+
+
+def run_follower(cfg: Config, ident: Identity, run: RunDir) -> None:
+    worker, node_rank = follower_place(cfg, ident.rank)
+    path = record_path(run, worker)
+    served: Optional[str] = None
+    wait_since = time.monotonic()
+    while True:
+        if why := _ended(run):
+            log.info("follower %d (worker %d, node rank %d): %s; exiting", ident.rank, worker, node_rank, why)
+            return
+        record = read_json(path)
+        fresh = record is not None and record.get("id") != served and _renewed_within(path, LEASE_S)
+        if not fresh:
+            if time.monotonic() - wait_since > cfg.inference.startup_timeout_s:
+                log.warning("follower %d: no leader for worker %d announced itself in %s for "
+                            "inference.startup_timeout_s=%.0fs; exiting", ident.rank, worker, path,
+                            cfg.inference.startup_timeout_s)
+                return
+            time.sleep(0.5)
+            continue
+        served = record["id"]
+        _serve(cfg, run, ident.rank, record, node_rank, path)
+        wait_since = time.monotonic()
+
+
+def _serve(cfg: Config, run: RunDir, rank: int, record: Dict[str, Any], node_rank: int, path: Path) -> None:
+    """Runs vLLM's headless model workers of node `node_rank` for the leader of `record` until that leader is gone."""
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from rlhpc.infer.engines import vllm_patches as patches
+    from rlhpc.infer.engines.vllm import engine_args, vllm_files
+
+    patches.check()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    inf = cfg.inference
+    args = engine_args(inf, record["model"], record["dtype"], record["seed"], current_platform.is_cuda_alike())
+    args.update(nnodes=record["nnodes"], node_rank=node_rank, master_addr=record["addr"],
+                master_port=record["port"], distributed_executor_backend="mp")
+    files = vllm_files(str(run.root))
+    log.info("joining worker %d's instance as node rank %d of %d (leader %s:%d on %s)", record["worker"], node_rank,
+             record["nnodes"], record["addr"], record["port"], record["host"])
+    t0 = time.time()
+    joined: Dict[str, Any] = {}
+
+    def join() -> None:  # blocks until the leader's model workers and these have met
+        try:
+            with patches.keep_set_num_threads(), patches.tempdir(files / "tmp"):
+                vllm_config = EngineArgs(**args).create_engine_config(headless=True)
+                joined["executor"] = MultiprocExecutor(vllm_config, monitor_workers=False)
+        except BaseException as e:  # noqa: BLE001 - raised below, or the join was abandoned
+            joined["error"] = e
+
+    thread = threading.Thread(target=join, name="instance-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+        why = thread.is_alive() and (_ended(run) or _leader_gone(path, record))
+        if why:
+            # A leader can die while its followers join (a follower restarted after its own death joins the leader
+            # that this very death is ending): the model workers would wait for it forever. End them; the join fails.
+            log.warning("abandoning the join of worker %d's instance: %s", record["worker"], why)
+            for child in multiprocessing.active_children():
+                child.kill()
+            thread.join(timeout=60)
+            if "executor" in joined:
+                joined["executor"].shutdown()
+            return
+    if "error" in joined:
+        raise joined["error"]
+    executor = joined["executor"]
+    log.info("model workers up in %.1fs", time.time() - t0)
+    beat = 0.0
+    try:
+        while True:
+            if time.monotonic() - beat > 10:  # `python -m rlhpc.status` lists it beside the roles
+                run.heartbeat("follower", rank, worker=record["worker"], node_rank=node_rank, leader=record["host"])
+                beat = time.monotonic()
+            if why := _ended(run) or _leader_gone(path, record):
+                log.info("%s; shutting the model workers down", why)
+                return
+            dead = [w.proc.pid for w in executor.workers if not w.proc.is_alive()]
+            if dead:
+                raise RuntimeError(f"vLLM model worker process(es) {dead} of node rank {node_rank} died")
+            time.sleep(0.5)
+    finally:
+        executor.shutdown()
+
+
+def _leader_gone(path: Path, record: Dict[str, Any]) -> str:
+    """Why the leader of `record` is gone ("" while it lives)."""
+    current = read_json(path)
+    if current is None or current.get("id") != record["id"]:
+        return f"the leader of worker {record['worker']} ended (its record {'was replaced' if current else 'is gone'})"
+    if not _renewed_within(path, LEASE_S):
+        return f"the leader of worker {record['worker']} stopped renewing {path} for {LEASE_S:.0f}s (dead?)"
+    return ""
+
+
+# Per record: (the modification time last seen, when it was seen to change; None: not yet).
+_seen: Dict[Path, tuple] = {}
+
+
+def _renewed_within(path: Path, seconds: float) -> bool:
+    """Whether `path` was seen renewed (its modification time changed) within the last `seconds` of this process's
+    clock. Modification times are compared with one another, never with this node's time (another node's clock wrote
+    them), so a record met for the first time counts only once it has been renewed: a dead leader's is never joined."""
+    try:
+        mtime = path.stat().st_mtime
+    except FileNotFoundError:
+        _seen.pop(path, None)
+        return False
+    now = time.monotonic()
+    if path not in _seen:
+        _seen[path] = (mtime, None)
+        return False
+    last, since = _seen[path]
+    if mtime != last:
+        _seen[path] = (mtime, now)
+        return True
+    return since is not None and now - since <= seconds
+
+
+def _ended(run: RunDir) -> str:
+    if run.done.exists():
+        return "the run is done"
+    if run.failed.exists():
+        return "the run failed"
+    if stop_requested():
+        return f"asked to stop ({stop_requested()})"
+    return ""

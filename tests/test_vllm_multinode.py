@@ -1,0 +1,237 @@
+"""vLLM instances over several nodes (`inference.nodes_per_instance`): a leader and its followers (rlhpc/infer/follower.py).
+
+Here the "nodes" are processes of this machine: vLLM's multi-node executor on CPU, real gloo between the leader's and
+the follower's model workers, the rendezvous through a run directory. What a GPU cluster adds (NCCL, one node's GPUs
+per process) is vLLM's own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlhpc.algo  # noqa: F401  (registers the config checks)
+from rlhpc import config as config_mod
+from rlhpc import models
+from rlhpc.cluster.slurm_identity import role_and_rank
+from rlhpc.config import Config, ModelConfig
+from rlhpc.identity import Identity
+from rlhpc.infer import follower
+from rlhpc.rundir import RunDir, write_json
+
+
+def make_run(tmp_path: Path, **inference) -> tuple[Config, RunDir]:
+    cfg = Config()
+    cfg.inference.engine = "vllm"
+    cfg.inference.tensor_parallel_size = 2
+    cfg.inference.nodes_per_instance = 2
+    cfg.inference.kv_cache_gb = 0.0625
+    cfg.inference.max_model_len = 256
+    for k, v in inference.items():
+        setattr(cfg.inference, k, v)
+    cfg.run_dir = str(tmp_path / "run")
+    config_mod.validate(cfg)
+    run = RunDir(Path(cfg.run_dir))
+    run.make()
+    config_mod.save(cfg, run.config)
+    return cfg, run
+
+
+def ident(run: RunDir, role: str, rank: int, size: int = 1) -> Identity:
+    return Identity(role=role, rank=rank, size=size, run_dir=run.root, attempt="test")
+
+
+# ---- where each task of the job is --------------------------------------------------------------------------------
+
+
+def test_slurm_tasks_of_two_node_instances_are_a_worker_and_its_follower_in_order():
+    env = {"SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "6", "SLURM_NTASKS": "7",
+           "RLHPC_NODES_PER_INSTANCE": "3"}
+    seen = [role_and_rank({**env, "SLURM_PROCID": str(p)}) for p in range(7)]
+    assert seen == [("trainer", 0, 1), ("inference", 0, 2), ("follower", 0, 4), ("follower", 1, 4),
+                    ("inference", 1, 2), ("follower", 2, 4), ("follower", 3, 4)]
+    cfg = Config()
+    cfg.inference.nodes_per_instance = 3
+    # The follower's own reading of its rank agrees: worker 1's node ranks 1 and 2 are tasks 4 + 1 and 4 + 2.
+    assert [follower.follower_place(cfg, f) for f in range(4)] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    with pytest.raises(Exception, match="RLHPC_NODES_PER_INSTANCE=4"):
+        role_and_rank({**env, "RLHPC_NODES_PER_INSTANCE": "4", "SLURM_PROCID": "1"})
+
+
+# ---- a follower's waiting, without vLLM ---------------------------------------------------------------------------
+
+
+def test_a_follower_never_joins_a_record_nobody_renews_and_gives_up_after_the_startup_timeout(tmp_path, monkeypatch,
+                                                                                                caplog):
+    cfg, run = make_run(tmp_path, startup_timeout_s=3.0)
+    write_json(follower.record_path(run, 0), {"id": "dead", "worker": 0, "addr": "127.0.0.1", "port": 1, "nnodes": 2})
+    joined = []
+    monkeypatch.setattr(follower, "_serve", lambda *a: joined.append(a))
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="rlhpc.infer.follower"):
+        follower.run_follower(cfg, ident(run, "follower", 0), run)
+    assert joined == []  # a leader that left its record behind (killed) is not joined
+    assert 3.0 <= time.monotonic() - t0 < 10
+    assert "no leader for worker 0 announced itself" in caplog.text
+    assert "inference.startup_timeout_s=3s" in caplog.text
+
+
+def test_a_follower_serves_each_life_of_its_leader_once_and_ends_with_the_run(tmp_path, monkeypatch):
+    cfg, run = make_run(tmp_path, startup_timeout_s=60.0)
+    path = follower.record_path(run, 0)
+    monkeypatch.setattr(follower, "RENEW_S", 0.2)
+    served = []
+
+    def serve(cfg, run, rank, record, node_rank, path):  # what _serve does with vLLM: run until the leader is gone
+        served.append((record["id"], node_rank))
+        while (json.loads(path.read_text()).get("id") if path.exists() else None) == record["id"]:
+            time.sleep(0.05)
+
+    monkeypatch.setattr(follower, "_serve", serve)
+
+    def leader_lives() -> None:
+        for life in ("first", "second"):  # a leader, then the one its worker's restart brings
+            write_json(path, {"id": life, "worker": 0})
+            for _ in range(10):
+                time.sleep(0.2)
+                os.utime(path, (time.time(), time.time() + 1 + _))  # renewed
+            path.unlink()
+            time.sleep(1.0)
+        write_json(run.done, {"step": 1})
+
+    t = threading.Thread(target=leader_lives)
+    t.start()
+    follower.run_follower(cfg, ident(run, "follower", 0), run)
+    t.join()
+    assert served == [("first", 1), ("second", 1)]
+
+
+# ---- a real instance over two "nodes" -----------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(400)
+def test_an_instance_over_two_nodes_matches_transformers_after_an_update_and_its_follower_ends(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash .ci/install-vllm.sh)")
+    from rlhpc.infer.engines.vllm import VLLMEngine
+
+    cfg, run = make_run(tmp_path, startup_timeout_s=120.0)
+    model_dir = models.build(ModelConfig(), tmp_path / "model")
+    env = {**os.environ, "RLHPC_ROLE": "follower", "RLHPC_RANK": "0", "RLHPC_ROLE_SIZE": "1",
+           "RLHPC_RUN_DIR": str(run.root), "PYTHONUNBUFFERED": "1"}
+    log = run.log_file("follower", 0)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rlhpc.role"], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    saved = dict(os.environ)  # vLLM sets process environment variables; later tests must not inherit them
+    try:
+        with follower.leading(cfg, ident(run, "inference", 0), run, str(model_dir), 0) as inference:
+            assert inference.engine_args["nnodes"] == 2 and inference.engine_args["node_rank"] == 0
+            engine = VLLMEngine(str(model_dir), "float32", cfg=inference, run_dir=str(run.root))
+            try:
+                # New weights reach the follower's half of every layer too: the instance then computes what
+                # transformers computes with those weights.
+                model = models.load_model(model_dir).eval()
+                g = torch.Generator().manual_seed(3)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.05 * torch.randn(p.shape, generator=g))
+                engine.update_weights(list(model.state_dict().items()), version=1)
+                prompt = [5, 9, 13, 2, 7]
+                [[c]] = engine.generate([prompt], n=1, temperature=1.0, max_new_tokens=6, stop_token_ids=[],
+                                        greedy=True)
+                seq = prompt + list(c.tokens)
+                with torch.no_grad():
+                    logits = model(torch.tensor([seq])).logits[0, len(prompt) - 1:-1]
+                ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.tokens)[:, None]).squeeze(-1)
+                assert list(c.tokens) == logits.argmax(-1).tolist()
+                assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4), (c.logprobs, ref)
+            finally:
+                engine.close()
+        assert not follower.record_path(run, 0).exists()  # the leader's end is announced...
+        deadline = time.monotonic() + 60
+        while "shutting the model workers down" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        text = log.read_text()
+        assert "joining worker 0's instance as node rank 1 of 2" in text
+        assert "the leader of worker 0 ended (its record is gone)" in text  # ...and heard
+        write_json(run.done, {"step": 0})
+        assert proc.wait(timeout=60) == 0, text[-3000:]
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_an_async_run_whose_instance_spans_two_nodes_trains_and_ends_cleanly(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash .ci/install-vllm.sh)")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhpc.launch", f"run_dir={run_dir}", "sft.steps=0", "trainer.steps=3",
+         "trainer.groups_per_step=2", "inference.groups_per_batch=2", "algo.group_size=4", "eval.interval=0",
+         "launcher.progress=false", "inference.engine=vllm", "inference.tensor_parallel_size=2",
+         "inference.nodes_per_instance=2", "inference.num_workers=1", "inference.kv_cache_gb=0.0625"],
+        capture_output=True, text=True, timeout=560,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rl_steps"] == 3
+    follower_log = (run_dir / "logs" / "follower-0.log").read_text()
+    assert "joining worker 0's instance as node rank 1 of 2" in follower_log
+    assert "follower 0 (worker 0, node rank 1): the run is done; exiting" in follower_log
+    worker_log = (run_dir / "logs" / "inference-0.log").read_text()
+    assert "weights version 3" in worker_log  # the trained weights reached the instance
+    assert not (run_dir / "rendezvous" / "instance-0.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_a_run_survives_the_death_of_a_follower_with_restarts(tmp_path):
+    """SIGKILL of the follower mid-run breaks the instance (the leader's next collective fails); with
+    inference.max_restarts both are started again, meet at the leader's new record, and the run finishes."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash .ci/install-vllm.sh)")
+    run_dir = tmp_path / "run"
+    steps = 30
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "rlhpc.launch", f"run_dir={run_dir}", "sft.steps=0", f"trainer.steps={steps}",
+         "trainer.groups_per_step=2", "inference.groups_per_batch=2", "algo.group_size=4", "eval.interval=0",
+         "launcher.progress=false", "inference.engine=vllm", "inference.tensor_parallel_size=2",
+         "inference.nodes_per_instance=2", "inference.num_workers=1", "inference.kv_cache_gb=0.0625",
+         "inference.max_restarts=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        log = run_dir / "logs" / "follower-0.log"
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and not (log.exists() and "model workers up" in log.read_text()):
+            assert launch.poll() is None, launch.communicate()[1][-3000:]
+            time.sleep(1)
+        time.sleep(5)  # generating now
+        beat = json.loads((run_dir / "status" / "follower-0.json").read_text())
+        os.killpg(beat["pid"], 9)
+        out, err = launch.communicate(timeout=800)
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, 9)
+            launch.wait(timeout=10)
+    assert launch.returncode == 0, out[-2000:] + err[-3000:]
+    assert "follower-0 exited with code -9; restarting it (1 of inference.max_restarts=1)" in err
+    assert json.loads((run_dir / "summary.json").read_text())["rl_steps"] == steps
+    text = log.read_text()
+    assert text.count("model workers up") == 2, text[-3000:]  # its second life served the restarted leader
+    assert "follower 0 (worker 0, node rank 1): the run is done; exiting" in text
