@@ -1,6 +1,8 @@
 """Packing a group's samples behind their shared prompt (trainer.packing=shared_prefix): each sample gets the logprobs
-and gradients it gets alone, for the dense and MoE model families, and the rows hold far fewer tokens than the samples.
-GLM-5's sparse attention does not follow the packing mask (the same comparison differs by ~6e-2), so it stays padded."""
+and gradients it gets alone, for the dense and MoE model families and GLM-5, and the rows hold far fewer tokens than the
+samples. GLM-5's sparse attention follows the packing mask once its indexer keeps the earlier of tied keys
+(rlhpc/train/sparse.py): with transformers' indexer, whose ties fall by position, the same comparison differs by
+~6e-2."""
 
 from pathlib import Path
 
@@ -8,6 +10,8 @@ import pytest
 import torch
 
 from rlhpc import models
+from rlhpc.train import attention as segment_attention
+from rlhpc.train import sparse
 from rlhpc.train.batching import ATTENTION, common_prefix, pack, packed_logprobs, plan_rows, token_logprobs
 from rlhpc.train.step import packs
 from test_moe import preset
@@ -37,17 +41,56 @@ def test_rows_hold_each_prompt_once_and_respect_their_size():
     assert sum(r.length(seqs) for r in rows) < sum(len(s) for s in seqs)  # the prompts are not repeated
 
 
-def test_models_whose_attention_ignores_the_mask_are_padded_instead(tmp_path: Path):
+def test_glm5_packs_once_its_indexer_breaks_ties_by_order(tmp_path: Path):
     models.build(preset("tiny_glm5"), tmp_path / "glm5")
     models.build(preset("tiny_qwen3_moe"), tmp_path / "moe")
-    assert not packs(models.load_model(tmp_path / "glm5"))  # its sparse attention's indexer picks keys by itself
+    glm5 = models.load_model(tmp_path / "glm5")
+    assert not packs(glm5)  # transformers' indexer: ties fall by position, so a packed sample's keys could differ
+    assert not segment_attention.install(glm5, 1, block_elements=60)  # the whole mask of each row, not segments...
+    assert packs(glm5)  # ...and the trainer's indexer (rlhpc/train/sparse.py)
     assert packs(models.load_model(tmp_path / "moe"))
+
+
+def test_the_trainers_indexer_keeps_the_keys_transformers_keeps_except_among_ties(tmp_path: Path):
+    """The order-stable indexer scores keys as transformers' does; it differs only in which of equally scored keys
+    at the top-k boundary it keeps (there the earlier one)."""
+    models.build(preset("tiny_glm5"), tmp_path / "glm5")
+    model = models.load_model(tmp_path / "glm5").eval()
+    calls = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args, kwargs: calls.append((mod, args, kwargs)), with_kwargs=True)
+             for m in model.modules() if type(m).__name__ == "GlmMoeDsaIndexer"]
+    seqs, _ = rollouts()
+    with torch.no_grad():
+        for s in seqs:
+            model(s.unsqueeze(0) % model.config.vocab_size, use_cache=False)
+    for h in hooks:
+        h.remove()
+    assert calls
+    sparse.install(model)
+    boundaries = ties = 0
+    for mod, args, kwargs in calls:
+        theirs = mod.rlhpc_original_forward(*args, **kwargs).long().sort(-1).values
+        ours = mod(*args, **kwargs).long().sort(-1).values
+        scores = sparse.index_scores(mod, *args[:3], args[3])
+        k = ours.shape[-1]
+        if k == scores.shape[-1]:  # every key is kept
+            assert torch.equal(ours, theirs)
+            continue
+        top = scores.sort(-1, descending=True).values
+        tied = top[..., k - 1] == top[..., k]  # a tie at the boundary, among allowed keys or masked ones
+        boundaries += tied.numel()
+        ties += int((tied & torch.isfinite(top[..., k])).sum())
+        assert torch.equal(ours[~tied], theirs[~tied])
+        assert (ours != theirs).any(-1)[~tied].sum() == 0
+    assert boundaries > 100 and ties > 0  # the comparison saw real choices, and ties among them
 
 
 # "rlhpc": the trainer's attention over packed rows from their segments (rlhpc/train/attention.py), here in blocks of
 # a few queries (a mask of at most 60 elements at a time) whose backward recomputes them.
+# GLM-5: sdpa with the whole mask of each row, and the trainer's indexer (rlhpc/train/sparse.py).
 @pytest.mark.parametrize("name,attention", [("tiny_qwen3", "sdpa"), ("tiny_qwen3", "eager"), ("tiny_qwen3_moe", "sdpa"),
-                                            ("tiny_qwen3", ATTENTION), ("tiny_qwen3_moe", ATTENTION)])
+                                            ("tiny_qwen3", ATTENTION), ("tiny_qwen3_moe", ATTENTION),
+                                            ("tiny_glm5", "sdpa")])
 @pytest.mark.parametrize("chunk", [0, 16])
 def test_each_packed_sample_gets_the_logprobs_and_gradients_it_gets_alone(tmp_path: Path, name, attention, chunk,
                                                                           monkeypatch):
@@ -55,12 +98,12 @@ def test_each_packed_sample_gets_the_logprobs_and_gradients_it_gets_alone(tmp_pa
     models.build(cfg, tmp_path / "model")
     model = models.load_model(tmp_path / "model")
     if attention == ATTENTION:
-        from rlhpc.train import attention as segment_attention
-
         monkeypatch.setattr(segment_attention, "_INSTALLED", None)
         assert segment_attention.install(model, 1, block_elements=60)
     else:
         model.set_attn_implementation(attention)
+        if name == "tiny_glm5":  # as the trainer does: the order-stable indexer, the whole mask of each row
+            assert not segment_attention.install(model, 1, block_elements=60) and packs(model)
     assert model.config._attn_implementation == attention
     model.train()
     seqs, group_of = rollouts()

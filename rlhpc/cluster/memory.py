@@ -401,7 +401,7 @@ def _experts_divide(cfg, hf, out: MemoryPlan) -> None:
 
 def _context_divides(cfg, hf, out: MemoryPlan) -> None:
     """With context parallelism (trainer.cp > 1): each of the cp ranks attends with heads / cp of the model's heads
-    (key/value heads repeated until cp divides them), and the model takes packed rows (GLM-5's DSA indexer does not).
+    (key/value heads repeated until cp divides them), and the model takes split rows (GLM-5's DSA indexer does not).
     The same checks as the trainer makes when it installs cp (rlhpc/train/context.py), here from the model's shape."""
     cp, heads = cfg.trainer.cp, hf.num_attention_heads
     if cp <= 1:
@@ -422,7 +422,8 @@ def _context_divides(cfg, hf, out: MemoryPlan) -> None:
 
 def attention_mask_bytes(cfg, hf, tokens: int, compute_bytes: int) -> Tuple[int, str]:
     """The attention masks of packed rows (module docstring), and how the figure is made. 0 when samples are padded
-    one per row (trainer.packing=padded) and for GLM-5, whose rows are padded."""
+    one per row (trainer.packing=padded), and for GLM-5: its packed rows take their whole mask, [T x W] booleans, which
+    the DSA indexer's float32 scores of the same T x W (row "DSA indexer") dwarf."""
     tr = cfg.trainer
     if tr.packing != "shared_prefix" or _get(hf, "index_n_heads"):
         return 0, ""

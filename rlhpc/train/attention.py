@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from rlhpc.train import sparse
 from rlhpc.train.batching import ATTENTION, NO_CUSTOM_MASK, segment_mask
 from rlhpc.train.context import ContextGroup, HeadsToSeq, SeqToHeads, context_group
 
@@ -44,8 +45,9 @@ _INSTALLED: Optional[Installed] = None  # one trainer model per process
 
 def install(model: torch.nn.Module, cp: int, block_elements: int) -> bool:
     """Makes `model` take packed rows by their segments (and, with cp > 1, split over a context group: collective
-    the first time). Returns False, leaving the model as it is, when its attention is not sdpa (eager attention takes
-    the whole mask) at cp=1; raises naming trainer.cp when cp > 1 and the model cannot (its heads do not divide by cp,
+    the first time). Returns False, leaving its attention as it is, when that is not sdpa (eager attention takes the
+    whole mask) at cp=1, and for GLM-5, which takes the whole mask with its indexer's ties broken by order
+    (rlhpc/train/sparse.py); raises naming trainer.cp when cp > 1 and the model cannot (its heads do not divide by cp,
     sparse attention, attention other than sdpa)."""
     cfg = model.config
     model_type = getattr(cfg, "model_type", "?")
@@ -53,6 +55,8 @@ def install(model: torch.nn.Module, cp: int, block_elements: int) -> bool:
     global _INSTALLED
     if cp > 1:
         _check_context_parallel(cfg, cp)
+    elif sparse.install(model):  # GLM-5: the whole mask of each row, and its indexer's ties broken by order
+        return False
     elif model_type in NO_CUSTOM_MASK or impl not in ("sdpa", ATTENTION):
         return False
     group = context_group(cp) if cp > 1 else None
@@ -71,7 +75,7 @@ def install(model: torch.nn.Module, cp: int, block_elements: int) -> bool:
 def _check_context_parallel(cfg, cp: int) -> None:
     model_type = getattr(cfg, "model_type", "?")
     impl = getattr(cfg, "_attn_implementation", "sdpa")
-    if model_type in NO_CUSTOM_MASK:
+    if model_type in NO_CUSTOM_MASK + sparse.SPARSE_ATTENTION:
         raise ValueError(f"trainer.cp={cp}: {model_type}'s sparse attention picks its keys with its own indexer over "
                          "the whole sequence, which context parallelism does not split (set trainer.cp=1)")
     if impl not in ("sdpa", ATTENTION):

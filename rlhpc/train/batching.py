@@ -7,9 +7,10 @@ from typing import List, Sequence
 
 import torch
 
-# Models whose attention does not follow a custom attention mask: GLM-5's sparse attention picks its keys by its own
-# indexer (tests/test_packing.py). Their samples are padded one per row whatever trainer.packing says.
-NO_CUSTOM_MASK = ("glm_moe_dsa", "deepseek_v32")
+# Models whose attention does not follow a packed row's mask as a sample alone would: DeepSeek-V3.2's sparse attention
+# picks its keys with an indexer whose ties fall by position (GLM-5's, the same kind, packs with the trainer's
+# order-stable indexer: rlhpc/train/sparse.py). Their samples are padded one per row whatever trainer.packing says.
+NO_CUSTOM_MASK = ("deepseek_v32",)
 
 ATTENTION = "rlhpc"  # the attention implementation of a model that takes packed rows by their segments (attention.py)
 
