@@ -43,6 +43,8 @@ def make_run(tmp_path: Path, **inference) -> tuple[Config, RunDir]:
     run = RunDir(Path(cfg.run_dir))
     run.make()
     config_mod.save(cfg, run.config)
+    run.model.mkdir(parents=True, exist_ok=True)
+    (run.model / "READY").touch()  # the trainer's warm start is done: workers lead their instances from here
     return cfg, run
 
 
@@ -83,6 +85,18 @@ def test_a_follower_never_joins_a_record_nobody_renews_and_gives_up_after_the_st
     assert 3.0 <= time.monotonic() - t0 < 10
     assert "no leader for worker 0 announced itself" in caplog.text
     assert "inference.startup_timeout_s=3s" in caplog.text
+
+
+def test_a_follower_waits_for_its_leader_as_long_as_the_trainers_warm_start_takes(tmp_path, monkeypatch):
+    cfg, run = make_run(tmp_path, startup_timeout_s=1.0)
+    (run.model / "READY").unlink()  # SFT still running: the worker has not started its engine yet
+    monkeypatch.setattr(follower, "_serve", lambda *a: pytest.fail("joined without a leader"))
+    ended = threading.Timer(4.0, lambda: write_json(run.failed, {"role": "trainer", "rank": 0, "error": "x"}))
+    ended.start()
+    t0 = time.monotonic()
+    follower.run_follower(cfg, ident(run, "follower", 0), run)  # ends with the run, not after 1 s
+    assert time.monotonic() - t0 >= 3.5
+    ended.join()
 
 
 def test_a_follower_serves_each_life_of_its_leader_once_and_ends_with_the_run(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ a record it has not served yet, starts vLLM's headless executor against it, and 
 it (the worker ended), replaces it (a restarted leader), or stops renewing it (a leader that died without a word; the
 follower measures this with its own clock, so the nodes' clocks need not agree), the follower shuts its executor down
 and waits for the next leader. It ends when the run is DONE or FAILED, when it is asked to stop, or when no leader has
-come for `inference.startup_timeout_s`.
+come for `inference.startup_timeout_s` after the trainer's warm start (the worker waits for that before it leads).
 
 Followers are role `follower`, rank f = w x (N - 1) + (node rank - 1): under Slurm task t of the inference component
 is worker t // N's node rank t % N (rlhpc/cluster/slurm_identity.py); the local launcher starts them beside the
@@ -120,6 +120,8 @@ def run_follower(cfg: Config, ident: Identity, run: RunDir) -> None:
         if why := _ended(run):
             log.info("follower %d (worker %d, node rank %d): %s; exiting", ident.rank, worker, node_rank, why)
             return
+        if not (run.model / "READY").exists():  # the leader announces itself after the trainer's warm start
+            wait_since = time.monotonic()
         record = read_json(path)
         fresh = record is not None and record.get("id") != served and _renewed_within(path, LEASE_S)
         if not fresh:
