@@ -81,7 +81,6 @@ def test_the_trainers_indexer_keeps_the_keys_transformers_keeps_except_among_tie
         boundaries += tied.numel()
         ties += int((tied & torch.isfinite(top[..., k])).sum())
         assert torch.equal(ours[~tied], theirs[~tied])
-        assert (ours != theirs).any(-1)[~tied].sum() == 0
     assert boundaries > 100 and ties > 0  # the comparison saw real choices, and ties among them
 
 

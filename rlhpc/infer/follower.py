@@ -28,7 +28,6 @@ import dataclasses
 import logging
 import multiprocessing
 import os
-import socket
 import threading
 import time
 import uuid
@@ -37,7 +36,7 @@ from typing import Any, Dict, Iterator, Optional
 
 from rlhpc.config import Config, InferenceConfig
 from rlhpc.identity import Identity
-from rlhpc.procs import free_port
+from rlhpc.procs import free_port, node_address
 from rlhpc.rundir import RunDir, read_json, write_json
 from rlhpc.stop import stop_requested
 
@@ -58,15 +57,6 @@ def follower_place(cfg: Config, rank: int) -> tuple[int, int]:
     return rank // per, rank % per + 1
 
 
-def node_address() -> str:
-    """An address of this node that the instance's other nodes can reach (its host name's)."""
-    host = socket.gethostname()
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return "127.0.0.1"
-
-
 # ---- the leader -----------------------------------------------------------------------------------------------------
 
 
@@ -83,7 +73,7 @@ def leading(cfg: Config, ident: Identity, run: RunDir, model_path: str, seed: in
     path = record_path(run, ident.rank)
     record = {"id": uuid.uuid4().hex, "worker": ident.rank, "addr": addr, "port": port,
               "nnodes": inf.nodes_per_instance, "model": model_path, "dtype": cfg.model.dtype, "seed": seed,
-              "host": os.uname().nodename, "pid": os.getpid(), "time": time.time()}
+              "host": os.uname().nodename, "pid": os.getpid()}
     write_json(path, record)
     log.info("instance of worker %d over %d nodes: leader at %s:%d; waiting for its %d follower(s) to join",
              ident.rank, inf.nodes_per_instance, addr, port, inf.nodes_per_instance - 1)
