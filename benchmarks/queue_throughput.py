@@ -19,10 +19,10 @@ the raw side deletes nothing. Every timed part starts after an os.sync(), so tha
 fsync for the files the other side (or the previous repeat) wrote or deleted: a journal commit on ext4 carries
 everything pending, whoever made it.
 
-The raw side records nothing about what it read, so the trainer's durable record of each step (the claim's folder and
-the ledger line, one fsync each) has no counterpart there. For reference only, `raw+record` is the raw side plus the
-least such a record costs: one fsynced line appended to a file per step (the ratio against plain raw stays the
-figure of merit).
+The raw side records nothing about what it read, so the trainer's record of each step (the ledger line) and the sync
+that makes the claims durable (as before a checkpoint: once per run here, counted in the queue's time) have no
+counterpart there. For reference only, `raw+record` is the raw side plus one fsynced line appended to a file per step
+(the ratio against plain raw stays the figure of merit).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -77,9 +78,10 @@ def bench_queue(root: Path, batches, groups_per_step: int) -> tuple[float, float
     step, claimed = 0, 0
     while claimed < len(batches):
         c = q.claim(step, groups_per_step, min_version=0, timeout_s=10)
-        q.record(step, c)  # makes the claim durable (one fsync a step)
+        q.record(step, c)
         claimed += len(c.files)
         step += 1
+    q.sync()  # the claims made durable, as before a checkpoint (one per run here)
     t_queue = time.perf_counter() - t0
     q.retire_before(step, keep=False)
     return t_queue, time.perf_counter() - t0 - t_queue
@@ -118,8 +120,11 @@ def append_fsync(path: Path, line: str) -> None:
 # ---- many producers, the trainer claiming meanwhile -----------------------------------------------------------------
 
 
-def run_concurrent(producers: int, produce: Callable[[int], None], consume: Callable[[], None]) -> float:
-    """Seconds from a common start until `consume()` returns, with `produce(rank)` running on `producers` threads.
+def run_concurrent(producers: int, produce: Callable[[int], None],
+                   consume: Callable[[], None]) -> tuple[float, float, float]:
+    """(seconds from a common start until `consume()` returns, CPU seconds of the producers, CPU seconds of the
+    consumer), with `produce(rank)` running on `producers` threads. CPU seconds are user + system time: the producers'
+    are their process's over the run (its main thread only waits meanwhile), the consumer's its own.
 
     `consume` runs in a forked process of its own, as the trainer does: sharing an interpreter lock with the producers
     would charge the trainer for their Python work. The producers share one, which can only slow them."""
@@ -131,8 +136,10 @@ def run_concurrent(producers: int, produce: Callable[[int], None], consume: Call
         ready.set()
         go.wait()
         try:
+            cpu = cpu_seconds()
             consume()
-            result.put(time.perf_counter())  # CLOCK_MONOTONIC: the same clock in both processes
+            # CLOCK_MONOTONIC: the same clock in both processes.
+            result.put((time.perf_counter(), cpu_seconds() - cpu))
         except BaseException as e:  # noqa: BLE001 - reported by the parent
             result.put(f"the consumer failed: {type(e).__name__}: {e}")
 
@@ -152,11 +159,13 @@ def run_concurrent(producers: int, produce: Callable[[int], None], consume: Call
     threads = [threading.Thread(target=producer, args=(r,), daemon=True) for r in range(producers)]
     for t in threads:
         t.start()
+    cpu = cpu_seconds()
     t0 = time.perf_counter()
     go.set()
     start.set()
     for t in threads:
         t.join()
+    producers_cpu = cpu_seconds() - cpu
     if errors:
         proc.kill()
         raise errors[0]
@@ -164,12 +173,18 @@ def run_concurrent(producers: int, produce: Callable[[int], None], consume: Call
     proc.join()
     if isinstance(end, str):
         raise RuntimeError(end)
-    return end - t0
+    return end[0] - t0, producers_cpu, end[1]
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def bench_queue_concurrent(root: Path, shares: Sequence[Sequence[RolloutBatch]], files_per_step: int,
-                           groups: int) -> tuple[float, float]:
-    """(seconds until the trainer has claimed every file, seconds to retire the trained steps)."""
+                           groups: int) -> tuple[float, float, float, float]:
+    """(seconds until the trainer has claimed every file, seconds to retire the trained steps, CPU seconds of the
+    producers, of the trainer)."""
     total = sum(len(s) for s in shares)
     Queue(root)  # the folders, before anyone starts
 
@@ -189,14 +204,16 @@ def bench_queue_concurrent(root: Path, shares: Sequence[Sequence[RolloutBatch]],
             trainer.record(step, c)
             claimed += len(c.files)
             step += 1
+        trainer.sync()  # as before a checkpoint: one per run here
 
-    t_queue = run_concurrent(len(shares), produce, consume)
+    t_queue, cpu_producers, cpu_trainer = run_concurrent(len(shares), produce, consume)
     t0 = time.perf_counter()
     Queue(root).retire_before(1 << 30, keep=False)
-    return t_queue, time.perf_counter() - t0
+    return t_queue, time.perf_counter() - t0, cpu_producers, cpu_trainer
 
 
-def bench_raw_concurrent(root: Path, shares: Sequence[Sequence[bytes]], files_per_step: int = 0) -> float:
+def bench_raw_concurrent(root: Path, shares: Sequence[Sequence[bytes]],
+                         files_per_step: int = 0) -> tuple[float, float, float]:
     root.mkdir(parents=True, exist_ok=True)
     total = sum(len(s) for s in shares)
     written = mp.get_context("fork").SimpleQueue()
@@ -253,7 +270,7 @@ def main() -> None:
         print(f"concurrent: producers publishing {args.concurrent_files} files in all while the trainer claims "
               f"{args.step_files} files a step; best of {args.repeats}")
         print(f"  {'producers':>9} {'files':>6} {'MB':>7} {'queue s':>8} {'raw s':>7} {'queue/raw throughput':>21} "
-              f"{'retire s':>9} {'raw+record s':>13} {'ratio to it':>12}")
+              f"{'retire s':>9} {'raw+record s':>13} {'ratio to it':>12}   CPU s (producers + trainer or reader)")
     for producers in counts:
         files = args.concurrent_files - args.concurrent_files % args.step_files
         batches = [make_batch(args.groups, args.group_size, args.tokens, i) for i in range(files)]
@@ -262,21 +279,26 @@ def main() -> None:
         raw_shares = [payloads[r::producers] for r in range(producers)]
         best = best_of(args.repeats, base, {
             "queue": lambda: bench_queue_concurrent(base / "q", shares, args.step_files, args.groups),
-            "raw": lambda: (bench_raw_concurrent(base / "raw", raw_shares), 0.0),
-            "raw+record": lambda: (bench_raw_concurrent(base / "raw", raw_shares, args.step_files), 0.0),
+            "raw": lambda: bench_raw_concurrent(base / "raw", raw_shares),
+            "raw+record": lambda: bench_raw_concurrent(base / "raw", raw_shares, args.step_files),
         })
         mb = sum(len(p) for p in payloads) / 1e6
-        (best_q, best_retire), (best_r, _), (best_rr, _) = best["queue"], best["raw"], best["raw+record"]
+        (best_q, best_retire, q_prod, q_train), (best_r, r_prod, r_read) = best["queue"], best["raw"]
+        best_rr = best["raw+record"][0]
         print(f"  {producers:>9} {files:>6} {mb:>7.1f} {best_q:>8.3f} {best_r:>7.3f} {best_r / best_q:>21.2f} "
-              f"{best_retire:>9.3f} {best_rr:>13.3f} {best_rr / best_q:>12.2f}")
+              f"{best_retire:>9.3f} {best_rr:>13.3f} {best_rr / best_q:>12.2f}   "
+              f"queue {q_prod:.3f} + {q_train:.3f}, raw {r_prod:.3f} + {r_read:.3f}")
+    if counts:
+        print(f"  (CPU s: the least over the repeats; with {os.cpu_count()} cores a run takes at least its CPU seconds / "
+              f"{os.cpu_count()})")
     shutil.rmtree(base, ignore_errors=True)
 
 
 def best_of(repeats: int, base: Path,
-            runs: Dict[str, Callable[[], Tuple[float, float]]]) -> Dict[str, Tuple[float, ...]]:
-    """The least of each of the (seconds, seconds) that `runs` return over `repeats` rounds, from fresh folders; the
+            runs: Dict[str, Callable[[], Tuple[float, ...]]]) -> Dict[str, Tuple[float, ...]]:
+    """The least of each of the figures (seconds) that `runs` return over `repeats` rounds, from fresh folders; the
     order of the runs turns each round, so that a load that changes during a round does not favour one of them."""
-    best = {name: (float("inf"), float("inf")) for name in runs}
+    best: Dict[str, Tuple[float, ...]] = {name: (float("inf"),) * 8 for name in runs}
     names = list(runs)
     for r in range(repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:

@@ -4,6 +4,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,17 +208,53 @@ def test_a_claim_whose_manifest_a_power_loss_emptied_gets_the_same_files_again(t
     assert sorted(again.files) == sorted(first.files) and len(q.pending_files()) == 2
 
 
-def test_a_steps_durability_costs_two_fsyncs_whatever_its_number_of_files(tmp_path, monkeypatch):
+def test_claims_become_durable_at_the_sync_before_a_checkpoint_not_per_step(tmp_path, monkeypatch):
     q = Queue(tmp_path)
-    for s in range(8):
+    for s in range(12):
         q.publish(make_batch(tag=f"f{s}"), "w0", s)
-    fsyncs = []
+    fsynced = []
     real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real(fd))[1])
-    claim = q.claim(0, num_groups=16, min_version=0, timeout_s=1)
-    assert len(claim.files) == 8 and fsyncs == []  # durable once recorded: nothing depends on it before
-    q.record(0, claim)
-    assert len(fsyncs) == 2  # the step's folder, then the ledger
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsynced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
+    for step in range(3):
+        claim = q.claim(step, num_groups=8, min_version=0, timeout_s=1)
+        assert len(claim.files) == 4
+        q.record(step, claim)
+    assert fsynced == [] and len(q.ledger()) == 3  # recorded, in the page cache: a dead process loses nothing
+    q.sync()
+    assert sorted(fsynced) == sorted([str(q.step_dir(s)) for s in range(3)] + [str(q.pending),
+                                                                                str(q.root / "ledger.jsonl")])
+    fsynced.clear()
+    q.sync()  # nothing recorded since: only what a sync always covers
+    assert sorted(fsynced) == sorted([str(q.pending), str(q.root / "ledger.jsonl")])
+
+
+def test_the_trainer_syncs_the_queue_before_each_checkpoint_is_written(monkeypatch):
+    from rlhpc.train import trainer as trainer_module
+
+    calls = []
+    t = trainer_module.Trainer.__new__(trainer_module.Trainer)
+    t.is_main, t.run = True, type("Run", (), {"checkpoints": Path("unused")})()
+    t.model = t.optimizer = t.scheduler = None
+    t.claims = type("Claims", (), {"sync": lambda self: calls.append("sync"),
+                                    "retire_before": lambda self, step: calls.append(f"retire {step}")})()
+    monkeypatch.setattr(trainer_module.checkpoint, "save", lambda *a, **k: calls.append("checkpoint"))
+    t.save_checkpoint(10)
+    assert calls == ["sync", "checkpoint", "retire 10"]
+
+
+def test_a_ledger_line_torn_by_a_power_loss_is_ignored_only_at_the_end(tmp_path):
+    q = Queue(tmp_path)
+    q.publish(make_batch(tag="a"), "w0", 0)
+    q.record(0, q.claim(0, num_groups=2, min_version=0, timeout_s=1))
+    with open(q.root / "ledger.jsonl", "a") as f:
+        f.write('{"step": 1, "grou')  # the tail of a step after the last checkpoint
+    assert [e["step"] for e in q.ledger()] == [0]
+    q.truncate_ledger(before_step=1)  # what a resume does
+    assert (q.root / "ledger.jsonl").read_text().count("\n") == 1
+    with open(q.root / "ledger.jsonl", "a") as f:
+        f.write('garbage\n{"step": 1, "groups": []}\n')
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        q.ledger()
 
 
 def test_counts_are_written_once_per_claim_however_many_files_it_sets_aside(tmp_path, monkeypatch):

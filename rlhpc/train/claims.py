@@ -48,6 +48,10 @@ class Claims:
         self.queue.set_progress(claimed=step + 1, version=step + 1)
         self.queue.record(step, claim, skipped=skipped)
 
+    def sync(self) -> None:
+        """Rank 0, before a checkpoint is written: the claims and ledger lines of the steps it covers become durable."""
+        self.queue.sync()
+
     def retire_before(self, step: int) -> None:
         """Rank 0: files of steps before `step` are never read again (checkpointed, or no checkpoint to resume from)."""
         self.queue.retire_before(step, keep=self.cfg.queue.keep_retired)

@@ -178,6 +178,7 @@ class Trainer:
                 busy=busy_by_process(self.run),  # per process: fractions of the RL wall time working and waiting
             )
             write_json(self.run.summary, self.summary)
+            self.claims.sync()  # the finished run's ledger, durable before DONE
             write_json(self.run.done, {"time": time.time(), "steps": steps})
             self.publisher.close()
             self.metrics.close()
@@ -198,6 +199,8 @@ class Trainer:
         return read_curve(self.run)
 
     def save_checkpoint(self, next_step: int) -> None:
+        if self.is_main:
+            self.claims.sync()  # the steps the checkpoint covers: durable before it is
         # The held-out curve is not trainer state: it lives in run_dir/evals/.
         checkpoint.save(self.run.checkpoints, next_step, self.model, self.optimizer, self.scheduler, {})
         if self.is_main:

@@ -15,9 +15,10 @@
     queue/ledger.jsonl                           one line per trained (or skipped) step: the group uids it consumed
 
 A file is a safetensors blob: the samples of many groups packed flat (token ids, inference logprobs, loss mask) with
-offsets, per-sample advantages and rewards, and the groups' metadata as JSON in the header. A claim is durable once
-its step is recorded: after a crash, resuming step k trains on exactly the files in steps/k (validated again: what
-fails goes to quarantine/).
+offsets, per-sample advantages and rewards, and the groups' metadata as JSON in the header. After a crash, resuming
+step k trains on exactly the files in steps/k (validated again: what fails goes to quarantine/). The claims and the
+ledger lines of the steps a checkpoint covers are durable (`sync`, before each checkpoint); a power loss may undo the
+claims of later steps, which the resumed run claims and trains again.
 No file can stop the run: whatever its bytes, it is trained on, dropped, or quarantined with the reason.
 """
 
@@ -189,8 +190,9 @@ def _safetensors(data: bytearray) -> Tuple[Dict[str, Any], Dict[str, torch.Tenso
     for name, info in header.items():
         dtype = SAFETENSORS_DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
         shape, span = info.get("shape") if dtype else None, info.get("data_offsets") if dtype else None
-        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape) and isinstance(span, list)
-                and len(span) == 2 and all(_is_int(o) for o in span)
+        # type() is int: a bool is no size.
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and isinstance(span, list)
+                and len(span) == 2 and type(span[0]) is int and type(span[1]) is int
                 and 0 <= span[0] <= span[1] and span[1] - span[0] == math.prod(shape) * dtype.itemsize):
             raise ValueError(f"bad safetensors entry for tensor {name!r}")
         entries.append((span[0], span[1], name, dtype, shape))
@@ -209,7 +211,7 @@ def _safetensors(data: bytearray) -> Tuple[Dict[str, Any], Dict[str, torch.Tenso
             t = torch.frombuffer(data, dtype=dtype, count=count, offset=start + begin)
         else:
             t = torch.empty(0, dtype=dtype)  # frombuffer refuses a count of 0
-        tensors[name] = t.reshape(shape)
+        tensors[name] = t if len(shape) == 1 else t.reshape(shape)
     return meta, tensors
 
 
@@ -245,7 +247,7 @@ def _check(data: bytearray) -> _File:
         and tensors["loss_mask"].numel() == t
         and tensors["advantages"].numel() == s
         and group_of.numel() == s
-        and offsets[[0, -1]].tolist() == [0, t]
+        and int(offsets[0]) == 0 and int(offsets[-1]) == t
         and int(offsets.diff().min()) >= 1  # so t >= s >= 1: no tensor below is empty
     ):
         raise ValueError("inconsistent tensor sizes")
@@ -367,6 +369,8 @@ class Queue:
         self._mtimes: Dict[str, int] = {}
         # Files that could be neither read nor moved aside (e.g. no permission): skipped, not retried every poll.
         self._unmovable: set = set()
+        # Steps recorded since the last sync: their claims and ledger lines are not durable yet.
+        self._unsynced: List[int] = []
 
     # ---- producers -------------------------------------------------------------------------------------------------
 
@@ -497,7 +501,7 @@ class Queue:
         `timeout_s`. `on_progress(groups)` is told the groups claimed so far after each pass that moved files in.
 
         Its filesystem work is per step, not per file, beyond a rename per claimed file: one manifest and one update
-        of counts.json; no fsync (the step's `record` makes its claim durable).
+        of counts.json; no fsync (`sync` makes the claims durable, before each checkpoint).
         """
         try:
             return self._claim(step, num_groups, min_version, timeout_s, abort, poll_s, max_version, max_poll_s,
@@ -592,7 +596,7 @@ class Queue:
                 )
             time.sleep(delay)
             delay = min(delay * 2, max_poll_s)
-        # Not fsynced here: `record` makes the claim durable, before the step's ledger line (see there).
+        # Not fsynced here: `sync` makes the claim durable, before the checkpoint that covers its step (see there).
         write_json(manifest, {"step": step, "files": files, "dropped_groups": dropped, "min_version": min_version,
                               "revision": revision}, durable=False)
         return Claim(step, RolloutBatch._of(found), files, dropped, quarantined, time.monotonic() - t0)
@@ -621,29 +625,54 @@ class Queue:
         skipped (non-finite values; rlhpc/train/guard.py) is recorded once too, with the reason: its groups are
         consumed, never trained again.
 
-        The step's claim becomes durable here, with one fsync of its folder (the moves into it and its manifest),
-        not when it was claimed: nothing depends on a claim before its step is recorded. A claim that a power loss
-        undoes before then puts its files back in pending/ (or leaves them in the step's folder without a manifest,
-        to be claimed again); the step was not recorded, so none is trained twice. On ext4 the ledger's own fsync
-        then finds the journal committed and costs little: one commit per step."""
+        Nothing is fsynced here: a step's claim and ledger line become durable at the next checkpoint (`sync`), the
+        only point a run resumes from. A power loss before it undoes at most steps that the resumed run trains again:
+        their files come back to pending/ (or stay in a step's folder, claimed again), and their ledger lines are
+        forgotten on resume (truncate_ledger). A process that dies loses nothing: its writes are in the page cache."""
         entry: Dict[str, Any] = {"step": step, "groups": [g.uid for g in claim.batch.groups] if claim.batch else []}
         if skipped is not None:
             entry["skipped"] = skipped
-        line = json.dumps(entry)
-        try:
-            fsync_dir(self.step_dir(step))
-        except FileNotFoundError:
-            pass  # retired already (a step recorded late), or never claimed through this queue
         with open(self.root / "ledger.jsonl", "a") as f:
-            f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+            f.write(json.dumps(entry) + "\n")
+        self._unsynced.append(step)
+
+    def sync(self) -> None:
+        """Makes the steps recorded since the last sync durable: the claims (their folders, and pending/ that the files
+        left) and the ledger. The trainer calls it before each checkpoint is written: resuming from the checkpoint
+        then never trains a file twice, whatever a power loss undid. On ext4 the first fsync commits the journal and
+        the others find nothing left to do."""
+        for step in self._unsynced:
+            try:
+                fsync_dir(self.step_dir(step))
+            except FileNotFoundError:
+                pass  # retired already, or never claimed through this queue (a skipped step)
+        fsync_dir(self.pending)
+        try:
+            fd = os.open(self.root / "ledger.jsonl", os.O_RDONLY)
+        except FileNotFoundError:
+            fd = None  # nothing recorded yet
+        if fd is not None:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self._unsynced = []
 
     def ledger(self) -> List[Dict[str, Any]]:
         path = self.root / "ledger.jsonl"
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        entries = []
+        for i, line in enumerate(lines):
+            try:
+                entries.append(json.loads(line))
+            except ValueError:
+                if i < len(lines) - 1:
+                    raise ValueError(f"{path}: line {i + 1} is not JSON: {line[:80]!r}") from None
+                # The last line, torn by a power loss after the last checkpoint: a step the resumed run trains again.
+                log.warning("%s: ignoring a torn last line %r", path, line[:80])
+        return entries
 
     def truncate_ledger(self, before_step: int) -> None:
         """On resume from a checkpoint at `before_step`: forget steps that will be trained again."""
@@ -659,6 +688,7 @@ class Queue:
                 os.replace(d, self.retired / d.name)  # not fsynced: a move lost in a crash is made again later
             else:
                 shutil.rmtree(d, ignore_errors=True)
+        self._unsynced = [s for s in self._unsynced if s >= step]  # without checkpoints, no sync ever comes
 
     def counts(self) -> Dict[str, int]:
         """Pending files now, and totals over the run of dropped and quarantined files (counts.json: dropped/ and
