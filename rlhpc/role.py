@@ -80,5 +80,8 @@ if __name__ == "__main__":
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    vllm_module = sys.modules.get("rlhpc.infer.engines.vllm")
+    if vllm_module is not None:
+        vllm_module.remove_temp_folders()  # os._exit skips atexit
     # Skip interpreter teardown: a communication thread blocked inside gloo/NCCL would abort the process there.
     os._exit(code)

@@ -188,6 +188,31 @@ def test_an_instance_over_two_nodes_matches_transformers_after_an_update_and_its
             proc.wait(timeout=10)
 
 
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_a_leader_whose_follower_never_comes_fails_after_the_startup_timeout_naming_it(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash .ci/install-vllm.sh)")
+    import multiprocessing
+
+    from rlhpc.infer.engines.vllm import VLLMEngine
+
+    cfg, run = make_run(tmp_path, startup_timeout_s=20.0)  # no follower task was started
+    model_dir = models.build(ModelConfig(), tmp_path / "model")
+    saved = dict(os.environ)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"follower\(s\) \[0\] of worker 0 did not join its instance within "
+                                               r"inference.startup_timeout_s=20s \(see .*follower-0.log"):
+            with follower.leading(cfg, ident(run, "inference", 0), run, str(model_dir), 0) as inference:
+                VLLMEngine(str(model_dir), "float32", cfg=inference, run_dir=str(run.root))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert time.monotonic() - t0 < 20 + 120  # not torch.distributed's timeout
+    assert not follower.record_path(run, 0).exists()
+    assert not multiprocessing.active_children()  # the engine's processes were ended
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
@@ -249,3 +274,20 @@ def test_a_run_survives_the_death_of_a_follower_with_restarts(tmp_path):
     text = log.read_text()
     assert text.count("model workers up") == 2, text[-3000:]  # its second life served the restarted leader
     assert "follower 0 (worker 0, node rank 1): the run is done; exiting" in text
+
+
+def test_vllm_sockets_of_a_deep_run_directory_go_to_a_temporary_folder_removed_when_the_process_ends(tmp_path):
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from rlhpc.infer.engines.vllm import _rpc_folder\n"
+        "short = Path(sys.argv[1]) / 'rpc'\n"
+        "assert _rpc_folder(short) == short\n"
+        "deep = _rpc_folder(Path(sys.argv[1]) / ('d' * 80) / 'rpc')\n"
+        "assert deep.is_dir() and len(str(deep)) + 37 <= 107\n"
+        "print(deep)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, "/tmp"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    made = Path(out.stdout.strip())
+    assert made.name.startswith("rlhpc-rpc-") and not made.exists()  # removed at exit

@@ -63,7 +63,11 @@ def follower_place(cfg: Config, rank: int) -> tuple[int, int]:
 @contextlib.contextmanager
 def leading(cfg: Config, ident: Identity, run: RunDir, model_path: str, seed: int) -> Iterator[InferenceConfig]:
     """Around the leader's engine: announces the instance to its followers and yields the inference config that
-    makes vLLM node rank 0 of it; removes the record when the worker ends, which ends the followers' executors."""
+    makes vLLM node rank 0 of it; removes the record when the worker ends, which ends the followers' executors.
+
+    A watchdog bounds the engine's start: if a follower has not joined within `inference.startup_timeout_s` (vLLM
+    would wait for it until torch.distributed's own timeout), it kills the engine's processes, and the start fails
+    with an error that names the missing followers and their logs."""
     inf = cfg.inference
     if inf.nodes_per_instance <= 1:
         yield inf
@@ -78,11 +82,28 @@ def leading(cfg: Config, ident: Identity, run: RunDir, model_path: str, seed: in
     log.info("instance of worker %d over %d nodes: leader at %s:%d; waiting for its %d follower(s) to join",
              ident.rank, inf.nodes_per_instance, addr, port, inf.nodes_per_instance - 1)
     done = threading.Event()
+    followers = [ident.rank * (inf.nodes_per_instance - 1) + i for i in range(inf.nodes_per_instance - 1)]
+    late: Dict[str, str] = {}  # why the watchdog ended the engine's start
 
     def renew() -> None:
+        start = time.monotonic()
         while not done.wait(RENEW_S):
             with contextlib.suppress(OSError):
                 os.utime(path)
+            if followers and time.monotonic() - start > inf.startup_timeout_s:
+                missing = [f for f in followers if not _joined(run, f, record["id"])]
+                if missing:
+                    late["why"] = (
+                        f"follower(s) {missing} of worker {ident.rank} did not join its instance within "
+                        f"inference.startup_timeout_s={inf.startup_timeout_s:.0f}s (see "
+                        f"{', '.join(str(run.log_file('follower', f)) for f in missing)}; "
+                        f"inference.nodes_per_instance={inf.nodes_per_instance} needs a follower task on each further "
+                        f"node)")
+                    log.error("%s; ending the engine's start", late["why"])
+                    for child in multiprocessing.active_children():  # vLLM's engine core, waiting for them
+                        child.kill()
+                    return
+                followers.clear()  # all joined: nothing more to watch
 
     thread = threading.Thread(target=renew, name="instance-lease", daemon=True)
     thread.start()
@@ -90,6 +111,10 @@ def leading(cfg: Config, ident: Identity, run: RunDir, model_path: str, seed: in
                 distributed_executor_backend="mp")
     try:
         yield dataclasses.replace(inf, engine_args=args)
+    except BaseException as e:
+        if "why" in late:
+            raise RuntimeError(late["why"]) from e
+        raise
     finally:
         done.set()
         thread.join(timeout=RENEW_S + 1)
@@ -179,7 +204,8 @@ def _serve(cfg: Config, run: RunDir, rank: int, record: Dict[str, Any], node_ran
     try:
         while True:
             if time.monotonic() - beat > 10:  # `python -m rlhpc.status` lists it beside the roles
-                run.heartbeat("follower", rank, worker=record["worker"], node_rank=node_rank, leader=record["host"])
+                run.heartbeat("follower", rank, worker=record["worker"], node_rank=node_rank, leader=record["host"],
+                              instance=record["id"])
                 beat = time.monotonic()
             if why := _ended(run) or _leader_gone(path, record):
                 log.info("%s; shutting the model workers down", why)
@@ -190,6 +216,11 @@ def _serve(cfg: Config, run: RunDir, rank: int, record: Dict[str, Any], node_ran
             time.sleep(0.5)
     finally:
         executor.shutdown()
+
+
+def _joined(run: RunDir, rank: int, instance: str) -> bool:
+    """Whether follower `rank` has joined the instance `instance`: its model workers are up (its heartbeat says so)."""
+    return (read_json(run.status / f"follower-{rank}.json") or {}).get("instance") == instance
 
 
 def _leader_gone(path: Path, record: Dict[str, Any]) -> str:

@@ -32,6 +32,7 @@ Files: vLLM and torch.compile write caches under the home folder and /tmp; they 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -71,7 +72,7 @@ class VersionedCompletion(Completion):
 def vllm_files(run_dir: Optional[str]) -> Path:
     """Points everything vLLM, torch.compile and triton write at `<run_dir>/vllm/` (set before vLLM is imported: vLLM
     freezes its environment once an engine has started). Without a run directory: a fresh temporary folder."""
-    root = Path(run_dir) / "vllm" if run_dir else Path(tempfile.mkdtemp(prefix="rlhpc-vllm-"))
+    root = Path(run_dir) / "vllm" if run_dir else _temp_folder("rlhpc-vllm-")
     for sub in ("cache", "config", "inductor", "triton", "rpc", "tmp"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     env = {
@@ -98,7 +99,26 @@ def _rpc_folder(wanted: Path) -> Path:
     for a socket name, else in a fresh folder of this node's temporary directory (a deep run directory)."""
     if len(str(wanted.absolute())) <= _MAX_RPC_BASE:
         return wanted
-    return Path(tempfile.mkdtemp(prefix="rlhpc-rpc-"))
+    return _temp_folder("rlhpc-rpc-")
+
+
+# Temporary folders made by this process, removed when it ends (remove_temp_folders).
+_TEMP_FOLDERS: List[Path] = []
+
+
+def _temp_folder(prefix: str) -> Path:
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    if not _TEMP_FOLDERS:
+        atexit.register(remove_temp_folders)
+    _TEMP_FOLDERS.append(path)
+    return path
+
+
+def remove_temp_folders() -> None:
+    """Removes the temporary folders this process made for vLLM: at interpreter exit, and from rlhpc.role before its
+    os._exit (which skips atexit). A process killed by SIGKILL leaves them to the node's temporary-file cleaning."""
+    while _TEMP_FOLDERS:
+        shutil.rmtree(_TEMP_FOLDERS.pop(), ignore_errors=True)
 
 
 class _QuietRotaryReload(logging.Filter):
