@@ -68,39 +68,45 @@ def make_batch(groups: int, group_size: int, tokens: int, seed: int) -> RolloutB
 # ---- one producer, then the trainer ----------------------------------------------------------------------------------
 
 
-def bench_queue(root: Path, batches, groups_per_step: int) -> tuple[float, float]:
-    """(seconds to publish, claim and record every batch, seconds to retire the trained steps)."""
+def bench_queue(root: Path, batches, groups_per_step: int) -> tuple[float, ...]:
+    """(seconds to publish, claim and record every batch, seconds to retire the trained steps, and the parts of the
+    first: publishing, claiming, recording and the sync)."""
     q = Queue(root)
     os.sync()
     t0 = time.perf_counter()
     for i, b in enumerate(batches):
         q.publish(b, "w0", i)
-    step, claimed = 0, 0
+    t_publish = time.perf_counter() - t0
+    step, claimed, t_claim = 0, 0, 0.0
     while claimed < len(batches):
+        t = time.perf_counter()
         c = q.claim(step, groups_per_step, min_version=0, timeout_s=10)
+        t_claim += time.perf_counter() - t
         q.record(step, c)
         claimed += len(c.files)
         step += 1
     q.sync()  # the claims made durable, as before a checkpoint (one per run here)
     t_queue = time.perf_counter() - t0
     q.retire_before(step, keep=False)
-    return t_queue, time.perf_counter() - t0 - t_queue
+    return (t_queue, time.perf_counter() - t0 - t_queue, t_publish, t_claim, t_queue - t_publish - t_claim)
 
 
-def bench_raw(root: Path, payloads, files_per_step: int = 0) -> float:
-    """Seconds to write + fsync, then read, every payload; with `files_per_step`, also appending and fsyncing a line
-    to a ledger after each step's files are read (raw+record)."""
+def bench_raw(root: Path, payloads, files_per_step: int = 0) -> tuple[float, float, float]:
+    """(seconds to write + fsync, then read, every payload; seconds of the writing, of the reading); with `files_per_step`, also
+    appending and fsyncing a line to a ledger after each step's files are read (raw+record)."""
     root.mkdir(parents=True, exist_ok=True)
     os.sync()
     t0 = time.perf_counter()
     for i, data in enumerate(payloads):
         write_fsync(root / f"{i}.bin", data)
+    t_write = time.perf_counter() - t0
     for i in range(len(payloads)):
         with open(root / f"{i}.bin", "rb") as f:
             f.read()
         if files_per_step and (i + 1) % files_per_step == 0:
             append_fsync(root / "ledger", f"{i}\n")
-    return time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    return total, t_write, total - t_write
 
 
 def write_fsync(path: Path, data: bytes) -> None:
@@ -252,16 +258,20 @@ def main() -> None:
     payloads = [b.to_bytes("w0") for b in batches]
     best = best_of(args.repeats, base, {
         "queue": lambda: bench_queue(base / "q", batches, args.groups * args.files_per_step),
-        "raw": lambda: (bench_raw(base / "raw", payloads), 0.0),
-        "raw+record": lambda: (bench_raw(base / "raw", payloads, args.files_per_step), 0.0),
+        "raw": lambda: bench_raw(base / "raw", payloads),
+        "raw+record": lambda: bench_raw(base / "raw", payloads, args.files_per_step),
     })
     mb = sum(len(p) for p in payloads) / 1e6
-    (best_q, best_retire), (best_r, _), (best_rr, _) = best["queue"], best["raw"], best["raw+record"]
+    (best_q, best_retire, q_publish, q_claim, q_record), (best_r, r_write, r_read) = best["queue"], best["raw"]
+    best_rr = best["raw+record"][0]
     print(f"queue: {args.files} files x {args.groups} groups x {args.group_size} samples x {args.tokens} tokens "
           f"= {mb:.1f} MB, best of {args.repeats}")
     print(f"  rlhpc publish+claim+load : {mb / best_q:8.1f} MB/s  ({best_q * 1e3:.0f} ms)")
     print(f"  raw write+fsync+read     : {mb / best_r:8.1f} MB/s  ({best_r * 1e3:.0f} ms)")
     print(f"  ratio rlhpc/raw throughput: {best_r / best_q:.2f}")
+    print(f"  where the time goes (the least of each part): publish {q_publish * 1e3:.0f} ms (raw write+fsync "
+          f"{r_write * 1e3:.0f}), claim+load {q_claim * 1e3:.0f} ms (raw read {r_read * 1e3:.1f}), "
+          f"record+sync {q_record * 1e3:.1f} ms")
     print(f"  (raw+record, an fsynced line a step: {best_rr * 1e3:.0f} ms, ratio {best_rr / best_q:.2f}; retiring "
           f"the {args.files // args.files_per_step} trained steps, not timed above: {best_retire * 1e3:.0f} ms)")
 
