@@ -308,13 +308,14 @@ def best_of(repeats: int, base: Path,
             runs: Dict[str, Callable[[], Tuple[float, ...]]]) -> Dict[str, Tuple[float, ...]]:
     """The least of each of the figures (seconds) that `runs` return over `repeats` rounds, from fresh folders; the
     order of the runs turns each round, so that a load that changes during a round does not favour one of them."""
-    best: Dict[str, Tuple[float, ...]] = {name: (float("inf"),) * 8 for name in runs}
+    best: Dict[str, Tuple[float, ...]] = {}
     names = list(runs)
     for r in range(repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:
             shutil.rmtree(base / "q", ignore_errors=True)
             shutil.rmtree(base / "raw", ignore_errors=True)
-            best[name] = tuple(min(a, b) for a, b in zip(best[name], runs[name]()))
+            figures = runs[name]()
+            best[name] = tuple(map(min, best[name], figures)) if name in best else figures
     return best
 
 

@@ -12,7 +12,8 @@ from typing import Any, Callable, Dict, Optional
 from rlhpc.procs import tail
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flushes a file or a folder (its entries: creations, renames, removals) to stable storage."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -31,7 +32,7 @@ def atomic_write(path: Path, data: bytes, durable: bool = True, sync_dir: bool =
             os.fsync(f.fileno())
     os.replace(tmp, path)
     if durable and sync_dir:
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
 
 
 def write_json(path: Path, obj: Any, durable: bool = True) -> None:

@@ -65,6 +65,7 @@ def test_slurm_tasks_of_two_node_instances_are_a_worker_and_its_follower_in_orde
     cfg.inference.nodes_per_instance = 3
     # The follower's own reading of its rank agrees: worker 1's node ranks 1 and 2 are tasks 4 + 1 and 4 + 2.
     assert [follower.follower_place(cfg, f) for f in range(4)] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert [follower.followers_of(cfg, w) for w in range(2)] == [[0, 1], [2, 3]]  # whom each leader waits for
     with pytest.raises(Exception, match="RLHPC_NODES_PER_INSTANCE=4"):
         role_and_rank({**env, "RLHPC_NODES_PER_INSTANCE": "4", "SLURM_PROCID": "1"})
 

@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from rlhpc.config import Config, InferenceConfig
 from rlhpc.identity import Identity
@@ -55,6 +55,12 @@ def follower_place(cfg: Config, rank: int) -> tuple[int, int]:
     """(worker, vLLM node rank) of follower `rank`."""
     per = cfg.inference.nodes_per_instance - 1
     return rank // per, rank % per + 1
+
+
+def followers_of(cfg: Config, worker: int) -> List[int]:
+    """The follower ranks of worker `worker`'s instance (the inverse of follower_place)."""
+    per = cfg.inference.nodes_per_instance - 1
+    return list(range(worker * per, (worker + 1) * per))
 
 
 # ---- the leader -----------------------------------------------------------------------------------------------------
@@ -82,7 +88,7 @@ def leading(cfg: Config, ident: Identity, run: RunDir, model_path: str, seed: in
     log.info("instance of worker %d over %d nodes: leader at %s:%d; waiting for its %d follower(s) to join",
              ident.rank, inf.nodes_per_instance, addr, port, inf.nodes_per_instance - 1)
     done = threading.Event()
-    followers = [ident.rank * (inf.nodes_per_instance - 1) + i for i in range(inf.nodes_per_instance - 1)]
+    followers = followers_of(cfg, ident.rank)
     late: Dict[str, str] = {}  # why the watchdog ended the engine's start
 
     def renew() -> None:

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from rlhpc.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES, safetensors_header
-from rlhpc.rundir import atomic_write, fsync_dir, read_json, write_json
+from rlhpc.rundir import atomic_write, fsync_path, read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -643,19 +643,14 @@ class Queue:
         the others find nothing left to do."""
         for step in self._unsynced:
             try:
-                fsync_dir(self.step_dir(step))
+                fsync_path(self.step_dir(step))
             except FileNotFoundError:
                 pass  # retired already, or never claimed through this queue (a skipped step)
-        fsync_dir(self.pending)
+        fsync_path(self.pending)
         try:
-            fd = os.open(self.root / "ledger.jsonl", os.O_RDONLY)
+            fsync_path(self.root / "ledger.jsonl")
         except FileNotFoundError:
-            fd = None  # nothing recorded yet
-        if fd is not None:
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            pass  # nothing recorded yet
         self._unsynced = []
 
     def ledger(self) -> List[Dict[str, Any]]:

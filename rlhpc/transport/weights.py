@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from rlhpc.dtypes import dtype_of
 from rlhpc.procs import node_address
-from rlhpc.rundir import RunDir, fsync_dir, read_json, wait_for, write_json
+from rlhpc.rundir import RunDir, fsync_path, read_json, wait_for, write_json
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def write_snapshot(run: RunDir, version: int, tensors: Optional[NamedTensors], k
     write_json(d / "READY", {"version": version, "time": time.time()})
     for old in sorted(p for p in run.weights.glob("v*") if (p / "READY").exists())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    fsync_dir(run.weights)
+    fsync_path(run.weights)
     return d
 
 
