@@ -98,7 +98,10 @@ def leading(cfg: Config, ident: Identity, run: RunDir, model_path: str, seed: in
                 os.utime(path)
             if followers and time.monotonic() - start > inf.startup_timeout_s:
                 missing = [f for f in followers if not _joined(run, f, record["id"])]
-                if missing:
+                if not missing:
+                    followers.clear()  # all joined: nothing more to watch
+                    continue
+                if "why" not in late:
                     late["why"] = (
                         f"follower(s) {missing} of worker {ident.rank} did not join its instance within "
                         f"inference.startup_timeout_s={inf.startup_timeout_s:.0f}s (see "
@@ -106,10 +109,10 @@ def leading(cfg: Config, ident: Identity, run: RunDir, model_path: str, seed: in
                         f"inference.nodes_per_instance={inf.nodes_per_instance} needs a follower task on each further "
                         f"node)")
                     log.error("%s; ending the engine's start", late["why"])
-                    for child in multiprocessing.active_children():  # vLLM's engine core, waiting for them
-                        child.kill()
-                    return
-                followers.clear()  # all joined: nothing more to watch
+                # vLLM's engine core, waiting for them; every round until the start has failed, in case the engine
+                # had not started its processes yet.
+                for child in multiprocessing.active_children():
+                    child.kill()
 
     thread = threading.Thread(target=renew, name="instance-lease", daemon=True)
     thread.start()
