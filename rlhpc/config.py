@@ -654,9 +654,9 @@ def _check_context_parallel(cfg: Config) -> None:
          "or trainer.cp=1")
     if cfg.model.path is not None:
         return
-    need(cfg.model.arch not in ("glm_moe_dsa", "deepseek_v32"), "trainer.cp",
-         f"{cp}: {cfg.model.arch}'s sparse attention picks its keys with its own indexer over the whole sequence, "
-         "which context parallelism does not split (set trainer.cp=1)")
+    need(cfg.model.arch != "deepseek_v32", "trainer.cp",
+         f"{cp}: {cfg.model.arch}'s sparse attention takes no packed rows, which context parallelism splits "
+         "(set trainer.cp=1)")
     need(cfg.model.num_heads % cp == 0, "trainer.cp",
          f"{cp} must divide the model's {cfg.model.num_heads} attention heads (model.num_heads)")
 

@@ -54,6 +54,49 @@ def _kept_bytes(W: int, block_elements: int) -> int:
     return sum(kept.values())
 
 
+def test_blocks_of_queries_attend_only_to_the_keys_glm5s_indexer_chose():
+    from rlhpc.train import sparse
+
+    packed = packed_rows()
+    R, W = packed.segments.shape
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(R, 4, W, 8, dtype=torch.float64, generator=g).requires_grad_() for _ in range(3))
+    topk = torch.randint(0, W, (R, W, 5), generator=g, dtype=torch.int32)  # any keys, masked ones included
+    mask = packed.mask() & sparse.chosen(topk, W)
+    assert 0 < int(mask.sum()) < int(packed.mask().sum())  # the choice leaves keys out
+    whole = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    grad = torch.randn(whole.shape, dtype=torch.float64, generator=g)
+    expected = torch.autograd.grad(whole, (q, k, v), grad)
+    for elements in (R * W * W, 3 * R * W):
+        out = attention.segment_attention(q, k, v, packed.segments, None, elements, topk)
+        # a query none of whose chosen keys it may see attends to nothing: NaN in both, as in transformers' sdpa path
+        assert torch.allclose(out, whole, atol=1e-12, equal_nan=True), elements
+        for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), expected):
+            assert torch.allclose(got.nan_to_num(), want.nan_to_num(), atol=1e-12), elements
+
+
+def test_glm5_set_up_for_split_rows_still_generates_as_before(tmp_path, monkeypatch):
+    # Under context parallelism GLM-5 runs this attention; generation and evaluation (a cache, a 2-D mask) then
+    # apply the indexer's choice here as transformers' sdpa path does.
+    from rlhpc.train import sparse
+
+    glm5 = preset("tiny_glm5")
+    glm5.extra["index_topk"] = 4
+    models.build(glm5, tmp_path / "model")
+    plain, installed = models.load_model(tmp_path / "model"), models.load_model(tmp_path / "model")
+    monkeypatch.setattr(attention, "_INSTALLED", None)
+    attention.register()
+    sparse.install(installed)
+    installed.config._attn_implementation = ATTENTION  # as attention.install does at cp > 1
+    prompt = torch.tensor([[5, 9, 2, 7, 7, 1, 4, 4, 6], [3, 3, 8, 0, 0, 0, 0, 0, 0]])
+    mask = torch.tensor([[1] * 9, [1, 1, 1, 0, 0, 0, 0, 0, 0]])
+    with torch.no_grad():
+        assert torch.allclose(plain(prompt, attention_mask=mask).logits, installed(prompt, attention_mask=mask).logits,
+                              atol=1e-5)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(plain.generate(prompt, **kw), installed.generate(prompt, **kw))
+
+
 def test_wide_rows_keep_no_mask_for_the_backward():
     whole = [_kept_bytes(W, 1 << 40) for W in (1024, 2048)]
     blocks = [_kept_bytes(W, 1 << 18) for W in (1024, 2048)]

@@ -75,7 +75,9 @@ def _grads_worker(root, rank, world, port, overrides, out):
         tr = _trainer(Path(root), rank, world, port, overrides)
         tr.optimizer.step = lambda *a, **k: None  # keep the gradients of the step
         stats = tr.train_step(0, make_batch(len(tr.tokenizer)))
-        grads = {n: _full(p.grad).numpy().copy() for n, p in tr.model.named_parameters()}  # by value
+        # by value; a parameter without a gradient (GLM-5's DSA indexer) as zeros
+        grads = {n: (_full(p.grad) if p.grad is not None else torch.zeros(_full(p.detach()).shape)).numpy().copy()
+                 for n, p in tr.model.named_parameters()}
         if rank == 0:
             out.put(("ok", stats["loss/total"], grads))
         import torch.distributed as dist

@@ -23,14 +23,15 @@ does not):
                    rlhpc/train/attention.py builds the mask from the rows' segments, as bool and the kernel's float
                    copy; when the whole mask fits attention_block_elements each of the L layers keeps its copy for the
                    backward, otherwise one block at a time lives and nothing is kept)
-    DSA indexer  = (2 x index_n_heads + 1) x T x T x 4  (GLM-5: transformers' indexer scores every query against every
-                                                         key in float32, one layer at a time; 0 for other models)
+    DSA indexer  = (2 x index_n_heads + 1) x T / cp x T x 4  (GLM-5: the indexer scores each of the rank's T / cp
+                                                         queries against every key of the row in float32, one layer
+                                                         at a time; 0 for other models)
 with P parameters (`count_parameters`), T = max(trainer.micro_batch_tokens, inference.max_model_len) tokens in the
 largest micro-batch (micro-batches pack samples up to micro_batch_tokens padded tokens; a longer sample, at most
 max_model_len tokens, gets one of its own) and a(block) the activation elements saved per token by one block
 (`block_activation_elements`). With trainer.ep > 1 the routed experts must divide by ep and over num_ranks (refused
 naming trainer.ep otherwise); with trainer.cp > 1 the attention heads must divide by cp and the model must take packed
-rows (refused naming trainer.cp otherwise; GLM-5's DSA attention does not).
+rows (refused naming trainer.cp otherwise; DeepSeek-V3.2's sparse attention does not).
 
 inference instance (tensor_parallel_size GPUs, vLLM; over inference.nodes_per_instance nodes, tp / nodes_per_instance
 GPUs on each, when one node's GPUs cannot hold it; the estimate per GPU is the same):
@@ -401,15 +402,15 @@ def _experts_divide(cfg, hf, out: MemoryPlan) -> None:
 
 def _context_divides(cfg, hf, out: MemoryPlan) -> None:
     """With context parallelism (trainer.cp > 1): each of the cp ranks attends with heads / cp of the model's heads
-    (key/value heads repeated until cp divides them), and the model takes split rows (GLM-5's DSA indexer does not).
+    (key/value heads repeated until cp divides them), and the model takes split rows (DeepSeek-V3.2 does not).
     The same checks as the trainer makes when it installs cp (rlhpc/train/context.py), here from the model's shape."""
     cp, heads = cfg.trainer.cp, hf.num_attention_heads
     if cp <= 1:
         return
     kv = getattr(hf, "num_key_value_heads", None) or heads
-    if _get(hf, "index_n_heads"):
-        out.problems.append(f"context parallelism trainer.cp={cp}: {cfg.model.name}'s sparse attention picks its keys "
-                            "with its own indexer over the whole sequence, which cp does not split (set trainer.cp=1).")
+    if getattr(hf, "model_type", None) == "deepseek_v32":
+        out.problems.append(f"context parallelism trainer.cp={cp}: {cfg.model.name}'s sparse attention takes no packed "
+                            "rows, which cp splits (set trainer.cp=1).")
     elif heads % cp:
         out.problems.append(f"context parallelism trainer.cp={cp} does not divide the model's {heads} attention heads.")
     elif heads % math.lcm(kv, cp):
@@ -422,28 +423,39 @@ def _context_divides(cfg, hf, out: MemoryPlan) -> None:
 
 def attention_mask_bytes(cfg, hf, tokens: int, compute_bytes: int) -> Tuple[int, str]:
     """The attention masks of packed rows (module docstring), and how the figure is made. 0 when samples are padded
-    one per row (trainer.packing=padded), and for GLM-5: its packed rows take their whole mask, [T x W] booleans, which
-    the DSA indexer's float32 scores of the same T x W (row "DSA indexer") dwarf."""
+    one per row (trainer.packing=padded), and for GLM-5 at cp=1: its packed rows take their whole mask, [T x W]
+    booleans, which the DSA indexer's float32 scores of the same T x W (row "DSA indexer") dwarf. GLM-5 at cp > 1
+    builds its masks from the segments like any model, each block's mask of the chosen keys besides (one more byte an
+    element), and keeps the indexer's choice of every query of the row for the backward, T x index_topk x 4 B a layer
+    (one layer with activation checkpointing)."""
     tr = cfg.trainer
-    if tr.packing != "shared_prefix" or _get(hf, "index_n_heads"):
+    sparse = bool(_get(hf, "index_n_heads"))
+    if tr.packing != "shared_prefix" or (sparse and tr.cp <= 1):
         return 0, ""
     width = min(tokens, max(tr.pack_row_tokens, cfg.inference.max_model_len))
     whole = tokens * width
     elements = min(whole, tr.attention_block_elements)
     layers = hf.num_hidden_layers if whole <= tr.attention_block_elements else 1
-    how = (f"T={tokens} x row {width} x (1 + {compute_bytes}) B x {layers} layers, kept for the backward"
-           if layers > 1 else f"a block of attention_block_elements={elements} x (1 + {compute_bytes}) B at a time")
-    return elements * (1 + compute_bytes) * layers, how
+    per = f"({1 + sparse} + {compute_bytes}) B"
+    how = (f"T={tokens} x row {width} x {per} x {layers} layers, kept for the backward"
+           if layers > 1 else f"a block of attention_block_elements={elements} x {per} at a time")
+    total = elements * (1 + sparse + compute_bytes) * layers
+    if sparse:
+        kept = 1 if tr.activation_checkpointing else hf.num_hidden_layers
+        total += tokens * hf.index_topk * 4 * kept
+        how += f"; the choice T x index_topk {hf.index_topk} x 4 B x {kept} layer(s)"
+    return total, how
 
 
-def indexer_scores_bytes(hf, tokens: int) -> int:
+def indexer_scores_bytes(hf, tokens: int, cp: int = 1) -> int:
     """GLM-5's DSA indexer as transformers computes it (GlmMoeDsaIndexer, without gradients): float32 scores of every
     query against every key for each indexer head, [B, L, index_heads, L], at most index_heads x T x T x 4 B when one
     row fills the micro-batch; the next elementwise op (scale, relu) makes a copy while they live, and their weighted
     sum over heads adds T x T x 4 B: (2 x index_heads + 1) x T x T x 4 B at the peak. Transient, one layer at a time
-    (again in each block's recompute with checkpointing); 0 for a model without the indexer."""
+    (again in each block's recompute with checkpointing); 0 for a model without the indexer. With context parallelism
+    a rank scores its T / cp queries (rlhpc/train/sparse.py): cp divides the peak."""
     heads = _get(hf, "index_n_heads")
-    return (2 * heads + 1) * tokens * tokens * 4 if heads else 0
+    return (2 * heads + 1) * -(-tokens // cp) * tokens * 4 if heads else 0
 
 
 def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> None:
@@ -477,10 +489,11 @@ def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> Non
     mask, how = attention_mask_bytes(cfg, hf, tokens, compute)
     if mask:
         rows.append(("attention mask", mask, how))
-    scores = indexer_scores_bytes(hf, tokens)
+    scores = indexer_scores_bytes(hf, tokens, tr.cp)
     if scores:
+        queries = f"T / cp={tr.cp}" if tr.cp > 1 else "T"
         rows.append(("DSA indexer scores (transient)", scores,
-                     f"(2 x index_n_heads {hf.index_n_heads} + 1) x T x T x 4 B, one layer at a time"))
+                     f"(2 x index_n_heads {hf.index_n_heads} + 1) x {queries} x T x 4 B, one layer at a time"))
     head = logprob_head_bytes(hf, local, tr.logprob_chunk_tokens)
     chunk = min(tr.logprob_chunk_tokens, local)
     rows.append(("logprob head", head, f"2 x {chunk} x V={hf.vocab_size} x 4 B" if tr.logprob_chunk_tokens > 0

@@ -15,6 +15,11 @@ Under context parallelism a split row's segments are the whole row's (W = cp x t
 layer exchanges its queries, keys and values with the group first (all-to-all head sharding), attends over the whole
 row with heads / cp heads, and exchanges the output back. Any other mask (generation, evaluation, a 2-D padding mask)
 goes to transformers' sdpa attention unchanged.
+
+GLM-5's sparse attention (DSA) splits too: its indexer chooses each query's keys from the whole row (rlhpc/train/
+sparse.py) and hands the choice, [B, S, index_topk] of this rank's queries, to the attention as `indices`. A split
+row's attention gathers the choice of all W queries from the group, and each block's mask is the segments' mask and
+the choice together, as transformers' sdpa path builds it whole.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch.nn.functional as F
 
 from rlhpc.train import sparse
 from rlhpc.train.batching import ATTENTION, NO_CUSTOM_MASK, segment_mask
-from rlhpc.train.context import ContextGroup, HeadsToSeq, SeqToHeads, context_group
+from rlhpc.train.context import ContextGroup, HeadsToSeq, SeqToHeads, context_group, gather_positions
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +51,16 @@ _INSTALLED: Optional[Installed] = None  # one trainer model per process
 def install(model: torch.nn.Module, cp: int, block_elements: int) -> bool:
     """Makes `model` take packed rows by their segments (and, with cp > 1, split over a context group: collective
     the first time). Returns False, leaving its attention as it is, when that is not sdpa (eager attention takes the
-    whole mask) at cp=1, and for GLM-5, which takes the whole mask with its indexer's ties broken by order
+    whole mask) at cp=1, and for GLM-5 at cp=1, which takes the whole mask with its indexer's ties broken by order
     (rlhpc/train/sparse.py); raises naming trainer.cp when cp > 1 and the model cannot (its heads do not divide by cp,
-    sparse attention, attention other than sdpa)."""
+    DeepSeek-V3.2's sparse attention, attention other than sdpa)."""
     cfg = model.config
     model_type = getattr(cfg, "model_type", "?")
     impl = getattr(cfg, "_attn_implementation", "sdpa")
     global _INSTALLED
     if cp > 1:
         _check_context_parallel(cfg, cp)
+        sparse.install(model)  # GLM-5: the indexer scores this rank's queries against the whole row's keys
     elif sparse.install(model):  # GLM-5: the whole mask of each row, and its indexer's ties broken by order
         return False
     elif model_type in NO_CUSTOM_MASK or impl not in ("sdpa", ATTENTION):
@@ -75,9 +81,9 @@ def install(model: torch.nn.Module, cp: int, block_elements: int) -> bool:
 def _check_context_parallel(cfg, cp: int) -> None:
     model_type = getattr(cfg, "model_type", "?")
     impl = getattr(cfg, "_attn_implementation", "sdpa")
-    if model_type in NO_CUSTOM_MASK + sparse.SPARSE_ATTENTION:
-        raise ValueError(f"trainer.cp={cp}: {model_type}'s sparse attention picks its keys with its own indexer over "
-                         "the whole sequence, which context parallelism does not split (set trainer.cp=1)")
+    if model_type in NO_CUSTOM_MASK:
+        raise ValueError(f"trainer.cp={cp}: {model_type}'s sparse attention takes no packed rows, which context "
+                         "parallelism splits (set trainer.cp=1)")
     if impl not in ("sdpa", ATTENTION):
         raise ValueError(f"trainer.cp={cp}: {model_type} runs attention {impl!r}; context parallelism runs sdpa "
                          "attention over packed rows")
@@ -105,13 +111,24 @@ def is_segments(mask) -> bool:
         and mask.dtype != torch.bool
 
 
+def context_of(width: int, positions: int) -> ContextGroup:
+    """The context group whose ranks hold `positions` each of a packed row of `width` positions."""
+    group = _INSTALLED.group if _INSTALLED is not None else None
+    if group is None or width != positions * group.cp:
+        raise ValueError(f"got {positions} positions of packed rows of {width}, and no context group splits them so")
+    return group
+
+
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
-              **kwargs):
+              indices=None, **kwargs):
     """transformers' attention signature: query [B, H, S, D], key/value [B, Hkv, S, D] of this rank's S positions ->
-    output [B, S, H, D]."""
+    output [B, S, H, D]. `indices` [B, S, k]: the keys each query may attend to, chosen by GLM-5's indexer (None for
+    dense attention)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if not is_segments(attention_mask):
+        if indices is not None:  # as transformers' sdpa path applies GLM-5's choice
+            attention_mask = _choose(attention_mask, indices, key.shape[2])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     if dropout and module.training:
@@ -129,21 +146,41 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         if repeat > 1:
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
         query, key, value = (SeqToHeads.apply(t, group) for t in (query, key, value))
-    out = segment_attention(query, key, value, segments, scaling, installed.block_elements).transpose(1, 2)
+        if indices is not None:  # the choice of every query of the row: this rank now attends from all of them
+            indices = gather_positions(indices, group)
+    out = segment_attention(query, key, value, segments, scaling, installed.block_elements,
+                            indices).transpose(1, 2)
     return (HeadsToSeq.apply(out, group) if split else out.contiguous()), None
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor,
-                      scale: Optional[float], block_elements: int) -> torch.Tensor:
+                      scale: Optional[float], block_elements: int, topk: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B, H, W, D], k, v [B, Hkv, W, D] (H a multiple of Hkv) of packed rows with `segments` [B, W] -> attention
-    output [B, H, W, D]."""
+    output [B, H, W, D]. With `topk` [B, W, k] each query attends only to the keys chosen for it (GLM-5's DSA)."""
     B, W = q.shape[0], q.shape[2]
     groups = q.shape[1] // k.shape[1]  # grouped-query attention: each key/value head serves `groups` query heads
     block = max(1, block_elements // (B * W))  # a block's mask: [B, block, W] at most
     if block >= W:
         k, v = _repeat(k, groups), _repeat(v, groups)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=segment_mask(segments, 0, W, W), scale=scale)
-    return _BlockAttention.apply(q, k, v, segments, scale, block, groups)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(segments, topk, 0, W, W), scale=scale)
+    return _BlockAttention.apply(q, k, v, segments, topk, scale, block, groups)
+
+
+def _mask(segments: torch.Tensor, topk: Optional[torch.Tensor], lo: int, hi: int, keys: int) -> torch.Tensor:
+    """The mask of the queries at [lo, hi) over the first `keys` positions: their segments', and their chosen keys'."""
+    mask = segment_mask(segments, lo, hi, keys)
+    # The choice may name keys past `keys` (masked ones, when a query has fewer than index_topk): a row's width.
+    return mask if topk is None else mask & sparse.chosen(topk[:, lo:hi], topk.shape[1])[..., :keys]
+
+
+def _choose(mask: Optional[torch.Tensor], indices: torch.Tensor, keys: int) -> torch.Tensor:
+    """A 4-D mask (bool or additive) [B, 1, S, keys] narrowed to the keys `indices` [B, S, k] chose."""
+    if mask is None:
+        raise ValueError("GLM-5's sparse attention needs the causal mask that its model makes (got none)")
+    chosen = sparse.chosen(indices, keys)
+    if mask.dtype == torch.bool:
+        return mask & chosen
+    return mask.masked_fill(~chosen, torch.finfo(mask.dtype).min)
 
 
 def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -155,7 +192,7 @@ class _BlockAttention(torch.autograd.Function):
     key/value heads unrepeated) and recomputes each block in the backward: no mask or attention weights are kept."""
 
     @staticmethod
-    def forward(ctx, q, k, v, segments, scale, block, groups):
+    def forward(ctx, q, k, v, segments, topk, scale, block, groups):
         dev = q.device.type
         ctx.autocast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         W = q.shape[2]
@@ -164,17 +201,17 @@ class _BlockAttention(torch.autograd.Function):
         for lo in range(0, W, block):
             hi = min(lo + block, W)
             o = F.scaled_dot_product_attention(q[:, :, lo:hi], kr[:, :, :hi], vr[:, :, :hi],
-                                               attn_mask=segment_mask(segments, lo, hi, hi), scale=scale)
+                                               attn_mask=_mask(segments, topk, lo, hi, hi), scale=scale)
             if out is None:
                 out = o.new_empty(*q.shape[:3], o.shape[-1])
             out[:, :, lo:hi] = o
-        ctx.save_for_backward(q, k, v, segments)
+        ctx.save_for_backward(q, k, v, segments, topk)
         ctx.scale, ctx.block, ctx.groups = scale, block, groups
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, segments = ctx.saved_tensors
+        q, k, v, segments, topk = ctx.saved_tensors
         W, block, groups = q.shape[2], ctx.block, ctx.groups
         kr, vr = _repeat(k, groups), _repeat(v, groups)
         dq = torch.empty_like(q)
@@ -186,7 +223,7 @@ class _BlockAttention(torch.autograd.Function):
             qb, kb, vb = (t.detach().requires_grad_() for t in (q[:, :, lo:hi], kr[:, :, :hi], vr[:, :, :hi]))
             with torch.enable_grad(), torch.autocast(dev, dtype=ctx.autocast or torch.bfloat16,
                                                      enabled=ctx.autocast is not None):
-                o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=segment_mask(segments, lo, hi, hi),
+                o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=_mask(segments, topk, lo, hi, hi),
                                                    scale=ctx.scale)
             gq, gk, gv = torch.autograd.grad(o, (qb, kb, vb), grad[:, :, lo:hi])
             dq[:, :, lo:hi] = gq
@@ -195,4 +232,4 @@ class _BlockAttention(torch.autograd.Function):
         if groups > 1:  # a key/value head's gradient sums over the query heads it serves
             dk = dk.unflatten(1, (k.shape[1], groups)).sum(2)
             dv = dv.unflatten(1, (v.shape[1], groups)).sum(2)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

@@ -92,6 +92,15 @@ def _heads_to_seq_bwd(g: torch.Tensor, group: ContextGroup) -> torch.Tensor:
     return got.transpose(0, 1).reshape(B, h * cp, W // cp, D)
 
 
+def gather_positions(x: torch.Tensor, group: ContextGroup) -> torch.Tensor:
+    """x [B, S, ...] of this rank's positions -> [B, cp x S, ...] of the whole row, from every rank of the group (no
+    gradient: GLM-5's indexer keys and its choice of keys, rlhpc/train/sparse.py)."""
+    x = x.contiguous()
+    got = x.new_empty(group.cp * x.shape[0], *x.shape[1:])  # the ranks' parts one after the other (gloo's layout)
+    dist.all_gather_into_tensor(got, x, group=group.group)
+    return got.unflatten(0, (group.cp, x.shape[0])).transpose(0, 1).flatten(1, 2)
+
+
 class SeqToHeads(torch.autograd.Function):
     """[B, H, S, D] of this rank's positions -> [B, H/cp, W, D] of this rank's heads; backward the inverse."""
 
