@@ -76,8 +76,8 @@ def glm5_root(tmp_path_factory):
     return root
 
 
-# GLM-5 at cp=1 takes transformers' sdpa attention with each row's whole mask; split, the indexer scores each rank's
-# queries against the gathered keys and the attention masks blocks by the segments and the gathered choice.
+# GLM-5 on one rank: the indexer scores a row's queries, the attention masks by the segments and the choice; split,
+# the indexer scores each rank's queries against the gathered keys and the attention gathers the choice.
 GLM5_LAYOUTS = {"cp2": {}, "cp2_blocks_checkpointed": {"attention_block_elements": 300,
                                                        "activation_checkpointing": True}}
 
@@ -202,19 +202,20 @@ def test_the_plan_divides_a_ranks_activations_by_cp_and_builds_the_attention_mas
     assert one["total"] > 80 * 0.88 and two["total"] < one["total"] - 15
 
 
-def test_context_parallelism_divides_glm5s_indexer_peak_so_16k_tokens_fit_where_one_rank_cannot(tmp_path, monkeypatch,
-                                                                                                capsys):
+def test_context_parallelism_lets_glm5_train_32k_token_samples_where_one_rank_cannot(tmp_path, monkeypatch, capsys):
     from test_presets import dry_run, per_gpu
 
-    long = ["inference.max_model_len=16384", "trainer.micro_batch_tokens=16384", "env.max_new_tokens=15872"]
+    long = ["inference.max_model_len=32768", "trainer.micro_batch_tokens=32768", "env.max_new_tokens=32000"]
     rc_1, out_1, err_1 = dry_run(tmp_path, monkeypatch, capsys, "+exp=glm5_h200", *long)
-    rc_4, out_4, err_4 = dry_run(tmp_path, monkeypatch, capsys, "+exp=glm5_16k")
+    rc_2, out_2, err_2 = dry_run(tmp_path, monkeypatch, capsys, "+exp=glm5_32k")
     assert rc_1 == 2 and "trainer.cp" in err_1  # the refusal names cp among the keys that change the plan
-    assert rc_4 == 0, err_4
-    one, four = per_gpu(out_1, "trainer rank"), per_gpu(out_4, "trainer rank")
-    assert four["DSA indexer scores (transient)"] == pytest.approx(one["DSA indexer scores (transient)"] / 4, rel=0.01)
-    assert "(2 x index_n_heads 32 + 1) x T / cp=4 x T x 4 B" in out_4
-    assert one["total"] > 141 and four["total"] < 0.9 * 141
+    assert rc_2 == 0, err_2
+    one, two = per_gpu(out_1, "trainer rank"), per_gpu(out_2, "trainer rank")
+    assert two["activations (checkpointed)"] == pytest.approx(one["activations (checkpointed)"] / 2, rel=0.01)
+    assert "T=32768 / cp=2 = 16384 tokens" in out_2
+    # the indexer scores a block of the rank's queries at a time: 1.4 GiB, not (2 x 32 + 1) x 16384 x 32768 x 4 B
+    assert two["DSA indexer scores (transient)"] < 2
+    assert one["total"] > 141 and two["total"] < 0.9 * 141
 
 
 @pytest.mark.parametrize("overrides, why", [

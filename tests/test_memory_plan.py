@@ -289,7 +289,37 @@ def test_the_dsa_indexer_estimate_is_the_peak_of_transformers_indexer():
     with torch.no_grad():
         model(input_ids=torch.randint(0, hf.vocab_size, (1, tokens)))
     estimate = memory.indexer_scores_bytes(hf, tokens)
-    assert estimate == (2 * hf.index_n_heads + 1) * tokens * tokens * 4
+    # the scores; and the queries, keys and choice (a few percent, with 2 heads)
+    rest = tokens * (hf.index_n_heads * hf.index_head_dim + hf.index_topk + hf.index_head_dim) * 4
+    assert estimate == (2 * hf.index_n_heads + 1) * tokens * tokens * 4 + rest
+    assert 0.8 <= peaks[0] / estimate <= 1.25
+
+
+def test_the_trainers_indexer_scores_a_block_of_queries_at_a_time_within_the_estimate():
+    # The trainer's indexer (rlhpc/train/sparse.py) with attention_block_elements = 512 x 32: blocks of 32 queries of
+    # a 512-token row, a sixteenth of transformers' peak.
+    from rlhpc.train import sparse
+
+    hf, model = built(preset("tiny_glm5"))
+    tokens, block = 512, 512 * 32
+    sparse.install(model, block_elements=block)
+    indexer = model.model.layers[0].self_attn.indexer
+    forward, peaks = indexer.forward, []
+
+    def measured(*args, **kwargs):
+        inputs = [x for x in [*args, *kwargs.values()] if isinstance(x, torch.Tensor)]
+        meter = LiveBytes({t.untyped_storage().data_ptr() for t in [*inputs, *model.parameters()]})
+        with meter.mode:
+            result = forward(*args, **kwargs)
+        peaks.append(meter.peak)
+        return result
+
+    indexer.forward = measured
+    with torch.no_grad():  # no cache, as the trainer's forward (with one, transformers' indexer runs)
+        model(input_ids=torch.randint(0, hf.vocab_size, (1, tokens)), use_cache=False)
+    estimate = memory.indexer_scores_bytes(hf, tokens, block_elements=block)
+    rest = memory.indexer_scores_bytes(hf, tokens) - (2 * hf.index_n_heads + 1) * tokens * tokens * 4
+    assert estimate - rest == (2 * hf.index_n_heads + 1) * block * 4  # a sixteenth of transformers' scores
     assert 0.8 <= peaks[0] / estimate <= 1.25
 
 

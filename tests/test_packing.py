@@ -41,12 +41,13 @@ def test_rows_hold_each_prompt_once_and_respect_their_size():
     assert sum(r.length(seqs) for r in rows) < sum(len(s) for s in seqs)  # the prompts are not repeated
 
 
-def test_glm5_packs_once_its_indexer_breaks_ties_by_order(tmp_path: Path):
+def test_glm5_packs_once_its_indexer_breaks_ties_by_order(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(segment_attention, "_INSTALLED", None)  # restored after the test
     models.build(preset("tiny_glm5"), tmp_path / "glm5")
     models.build(preset("tiny_qwen3_moe"), tmp_path / "moe")
     glm5 = models.load_model(tmp_path / "glm5")
     assert not packs(glm5)  # transformers' indexer: ties fall by position, so a packed sample's keys could differ
-    assert not segment_attention.install(glm5, 1, block_elements=60)  # the whole mask of each row, not segments...
+    assert segment_attention.install(glm5, 1, block_elements=60)  # the rows' segments, in blocks...
     assert packs(glm5)  # ...and the trainer's indexer (rlhpc/train/sparse.py)
     assert packs(models.load_model(tmp_path / "moe"))
 
@@ -66,7 +67,7 @@ def test_the_trainers_indexer_keeps_the_keys_transformers_keeps_except_among_tie
     for h in hooks:
         h.remove()
     assert calls
-    sparse.install(model)
+    sparse.install(model, block_elements=60)  # its queries a block of 1 or 2 at a time
     boundaries = ties = 0
     for mod, args, kwargs in calls:
         theirs = mod.rlhpc_original_forward(*args, **kwargs).long().sort(-1).values
@@ -86,10 +87,11 @@ def test_the_trainers_indexer_keeps_the_keys_transformers_keeps_except_among_tie
 
 # "rlhpc": the trainer's attention over packed rows from their segments (rlhpc/train/attention.py), here in blocks of
 # a few queries (a mask of at most 60 elements at a time) whose backward recomputes them.
-# GLM-5: sdpa with the whole mask of each row, and the trainer's indexer (rlhpc/train/sparse.py).
+# GLM-5 (as the trainer runs it): the same, with its indexer's choice in each block's mask, the indexer scoring its
+# queries a few at a time (rlhpc/train/sparse.py).
 @pytest.mark.parametrize("name,attention", [("tiny_qwen3", "sdpa"), ("tiny_qwen3", "eager"), ("tiny_qwen3_moe", "sdpa"),
                                             ("tiny_qwen3", ATTENTION), ("tiny_qwen3_moe", ATTENTION),
-                                            ("tiny_glm5", "sdpa")])
+                                            ("tiny_glm5", ATTENTION)])
 @pytest.mark.parametrize("chunk", [0, 16])
 def test_each_packed_sample_gets_the_logprobs_and_gradients_it_gets_alone(tmp_path: Path, name, attention, chunk,
                                                                           monkeypatch):
@@ -101,8 +103,6 @@ def test_each_packed_sample_gets_the_logprobs_and_gradients_it_gets_alone(tmp_pa
         assert segment_attention.install(model, 1, block_elements=60)
     else:
         model.set_attn_implementation(attention)
-        if name == "tiny_glm5":  # as the trainer does: the order-stable indexer, the whole mask of each row
-            assert not segment_attention.install(model, 1, block_elements=60) and packs(model)
     assert model.config._attn_implementation == attention
     model.train()
     seqs, group_of = rollouts()

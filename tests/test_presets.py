@@ -1,5 +1,5 @@
 """The real-size presets (conf/exp/{qwen3_30b_a3b,minimax_m2,glm5}.yaml for 8-GPU nodes of 80 GB, their *_h200 twins
-for 141 GB H200s, minimax_m2_64k and glm5_16k with context parallelism for longer samples) plan a job that fits: their dry run
+for 141 GB H200s, minimax_m2_64k and glm5_32k with context parallelism for longer samples) plan a job that fits: their dry run
 on a login node (no GPU, no checkpoint, no sbatch) shows each role's mesh and its memory per GPU and passes the memory
 check. GLM-5's inference on 80 GB GPUs does so with vLLM instances over 2 nodes each (docs/scaling.md, "Presets")."""
 
@@ -25,7 +25,7 @@ PRESETS = {
     "glm5": (80, "dp_shard=1 x ep=256 x cp=1 = 256 rank(s)",
              "4 worker(s) x [1 engine instance (tp=16 over 2 nodes, 8 GPUs a node)]"),
     "glm5_h200": (141, "dp_shard=1 x ep=128 x cp=1 = 128 rank(s)", "8 worker(s) x [1 engine instance (tp=8)]"),
-    "glm5_16k": (141, "dp_shard=1 x ep=32 x cp=4 = 128 rank(s)", "8 worker(s) x [1 engine instance (tp=8)]"),
+    "glm5_32k": (141, "dp_shard=1 x ep=64 x cp=2 = 128 rank(s)", "8 worker(s) x [1 engine instance (tp=8)]"),
 }
 TRAINER_ROWS = ["parameters", "gradients", "AdamW state (2 moments)", "FSDP unsharded block",
                 "FSDP root (embed, head, norm)", "activations (checkpointed)", "logprob head", "total"]

@@ -23,9 +23,11 @@ does not):
                    rlhpc/train/attention.py builds the mask from the rows' segments, as bool and the kernel's float
                    copy; when the whole mask fits attention_block_elements each of the L layers keeps its copy for the
                    backward, otherwise one block at a time lives and nothing is kept)
-    DSA indexer  = (2 x index_n_heads + 1) x T / cp x T x 4  (GLM-5: the indexer scores each of the rank's T / cp
-                                                         queries against every key of the row in float32, one layer
-                                                         at a time; 0 for other models)
+    DSA indexer  = (2 x index_n_heads + 1) x min(T / cp x T, attention_block_elements) x 4   (GLM-5: the indexer
+                   scores the rank's T / cp queries against every key of the row in float32, a block of queries at a
+                   time, one layer at a time; 0 for other models)
+                   + (T / cp x (index_n_heads x index_head_dim + index_topk) + T x index_head_dim) x 4
+                                                        (its queries, keys and choice)
 with P parameters (`count_parameters`), T = max(trainer.micro_batch_tokens, inference.max_model_len) tokens in the
 largest micro-batch (micro-batches pack samples up to micro_batch_tokens padded tokens; a longer sample, at most
 max_model_len tokens, gets one of its own) and a(block) the activation elements saved per token by one block
@@ -423,14 +425,12 @@ def _context_divides(cfg, hf, out: MemoryPlan) -> None:
 
 def attention_mask_bytes(cfg, hf, tokens: int, compute_bytes: int) -> Tuple[int, str]:
     """The attention masks of packed rows (module docstring), and how the figure is made. 0 when samples are padded
-    one per row (trainer.packing=padded), and for GLM-5 at cp=1: its packed rows take their whole mask, [T x W]
-    booleans, which the DSA indexer's float32 scores of the same T x W (row "DSA indexer") dwarf. GLM-5 at cp > 1
-    builds its masks from the segments like any model, each block's mask of the chosen keys besides (one more byte an
+    one per row (trainer.packing=padded). GLM-5 builds each block's mask of the chosen keys besides (one more byte an
     element), and keeps the indexer's choice of every query of the row for the backward, T x index_topk x 4 B a layer
     (one layer with activation checkpointing)."""
     tr = cfg.trainer
     sparse = bool(_get(hf, "index_n_heads"))
-    if tr.packing != "shared_prefix" or (sparse and tr.cp <= 1):
+    if tr.packing != "shared_prefix":
         return 0, ""
     width = min(tokens, max(tr.pack_row_tokens, cfg.inference.max_model_len))
     whole = tokens * width
@@ -447,15 +447,24 @@ def attention_mask_bytes(cfg, hf, tokens: int, compute_bytes: int) -> Tuple[int,
     return total, how
 
 
-def indexer_scores_bytes(hf, tokens: int, cp: int = 1) -> int:
+def indexer_scores_bytes(hf, tokens: int, cp: int = 1, block_elements: int = 0) -> int:
     """GLM-5's DSA indexer as transformers computes it (GlmMoeDsaIndexer, without gradients): float32 scores of every
     query against every key for each indexer head, [B, L, index_heads, L], at most index_heads x T x T x 4 B when one
     row fills the micro-batch; the next elementwise op (scale, relu) makes a copy while they live, and their weighted
-    sum over heads adds T x T x 4 B: (2 x index_heads + 1) x T x T x 4 B at the peak. Transient, one layer at a time
-    (again in each block's recompute with checkpointing); 0 for a model without the indexer. With context parallelism
-    a rank scores its T / cp queries (rlhpc/train/sparse.py): cp divides the peak."""
+    sum over heads adds T x T x 4 B: (2 x index_heads + 1) x T x T x 4 B at the peak. Beside them its queries
+    (index_heads x index_head_dim a query), keys (index_head_dim a key) and choice (index_topk a query), 4 B each.
+    Transient, one layer at a time (again in each block's recompute with checkpointing); 0 for a model without the
+    indexer. The trainer's indexer (rlhpc/train/sparse.py) scores a rank's T / cp queries (context parallelism)
+    `block_elements` / T at a time (trainer.attention_block_elements): (2 x index_heads + 1) x min(T / cp x T,
+    block_elements) x 4 B, and the rest as before for its T / cp queries and the row's T keys."""
     heads = _get(hf, "index_n_heads")
-    return (2 * heads + 1) * -(-tokens // cp) * tokens * 4 if heads else 0
+    if not heads:
+        return 0
+    queries = -(-tokens // cp)
+    elements = queries * tokens
+    scores = (2 * heads + 1) * (min(elements, max(block_elements, tokens)) if block_elements else elements)
+    rest = queries * (heads * hf.index_head_dim + hf.index_topk) + tokens * hf.index_head_dim
+    return (scores + rest) * 4
 
 
 def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> None:
@@ -489,11 +498,15 @@ def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> Non
     mask, how = attention_mask_bytes(cfg, hf, tokens, compute)
     if mask:
         rows.append(("attention mask", mask, how))
-    scores = indexer_scores_bytes(hf, tokens, tr.cp)
+    scores = indexer_scores_bytes(hf, tokens, tr.cp, tr.attention_block_elements)
     if scores:
         queries = f"T / cp={tr.cp}" if tr.cp > 1 else "T"
+        whole = indexer_scores_bytes(hf, tokens, tr.cp)
+        what = (f"{queries} x T" if scores == whole else
+                f"a block of attention_block_elements={tr.attention_block_elements} of the {queries} x T scores")
         rows.append(("DSA indexer scores (transient)", scores,
-                     f"(2 x index_n_heads {hf.index_n_heads} + 1) x {queries} x T x 4 B, one layer at a time"))
+                     f"(2 x index_n_heads {hf.index_n_heads} + 1) x {what} x 4 B, and queries, keys and choice; one "
+                     "layer at a time"))
     head = logprob_head_bytes(hf, local, tr.logprob_chunk_tokens)
     chunk = min(tr.logprob_chunk_tokens, local)
     rows.append(("logprob head", head, f"2 x {chunk} x V={hf.vocab_size} x 4 B" if tr.logprob_chunk_tokens > 0

@@ -16,10 +16,11 @@ layer exchanges its queries, keys and values with the group first (all-to-all he
 row with heads / cp heads, and exchanges the output back. Any other mask (generation, evaluation, a 2-D padding mask)
 goes to transformers' sdpa attention unchanged.
 
-GLM-5's sparse attention (DSA) splits too: its indexer chooses each query's keys from the whole row (rlhpc/train/
-sparse.py) and hands the choice, [B, S, index_topk] of this rank's queries, to the attention as `indices`. A split
-row's attention gathers the choice of all W queries from the group, and each block's mask is the segments' mask and
-the choice together, as transformers' sdpa path builds it whole.
+GLM-5's sparse attention (DSA) takes the segments too: its indexer chooses each query's keys from the whole row
+(rlhpc/train/sparse.py) and hands the choice, [B, S, index_topk] of this rank's queries, to the attention as
+`indices`; each block's mask is the segments' mask and the choice together, as transformers' sdpa path builds it
+whole. A split row's attention first gathers the choice of all W queries from the group. Any other mask gets the
+choice applied as transformers' sdpa path does.
 """
 
 from __future__ import annotations
@@ -50,20 +51,18 @@ _INSTALLED: Optional[Installed] = None  # one trainer model per process
 
 def install(model: torch.nn.Module, cp: int, block_elements: int) -> bool:
     """Makes `model` take packed rows by their segments (and, with cp > 1, split over a context group: collective
-    the first time). Returns False, leaving its attention as it is, when that is not sdpa (eager attention takes the
-    whole mask) at cp=1, and for GLM-5 at cp=1, which takes the whole mask with its indexer's ties broken by order
-    (rlhpc/train/sparse.py); raises naming trainer.cp when cp > 1 and the model cannot (its heads do not divide by cp,
-    DeepSeek-V3.2's sparse attention, attention other than sdpa)."""
+    the first time). GLM-5's indexer breaks its ties by order and scores its queries in blocks (rlhpc/train/sparse.py).
+    Returns False, leaving its attention as it is, when that is not sdpa (eager attention takes the whole mask) at
+    cp=1; raises naming trainer.cp when cp > 1 and the model cannot (its heads do not divide by cp, DeepSeek-V3.2's
+    sparse attention, attention other than sdpa)."""
     cfg = model.config
     model_type = getattr(cfg, "model_type", "?")
     impl = getattr(cfg, "_attn_implementation", "sdpa")
     global _INSTALLED
     if cp > 1:
         _check_context_parallel(cfg, cp)
-        sparse.install(model)  # GLM-5: the indexer scores this rank's queries against the whole row's keys
-    elif sparse.install(model):  # GLM-5: the whole mask of each row, and its indexer's ties broken by order
-        return False
-    elif model_type in NO_CUSTOM_MASK or impl not in ("sdpa", ATTENTION):
+    sparse.install(model, block_elements)  # GLM-5: its indexer's ties broken by order, its queries in blocks
+    if model_type in NO_CUSTOM_MASK or impl not in ("sdpa", ATTENTION):
         return False
     group = context_group(cp) if cp > 1 else None
     if impl == ATTENTION and _INSTALLED == Installed(block_elements, group):

@@ -12,11 +12,16 @@ The trainer's indexer therefore breaks ties by order: among equal scores the ear
 which is the same key packed or alone. Everything else is the model's own computation, and transformers' indexer
 (whose ties fall as they fall) still runs wherever there is a cache (generation, evaluation).
 
-Under context parallelism (trainer.cp > 1, rlhpc/train/context.py) the indexer gets the packed rows' segments instead
-of a mask: each rank scores its own positions' queries against the keys of the whole row, gathered from its context
-group (one key head of index_head_dim per position: small next to the scores), with the mask of those queries built
-from the segments. The scores, and so the choice, are those of the row on one rank; each rank holds T / cp of the
-quadratic scores. The attention then applies the choice (rlhpc/train/attention.py).
+It scores its queries a block at a time (trainer.attention_block_elements): transformers' indexer holds the float32
+scores of every query against every key for each indexer head at once, (2 x heads + 1) x T x T x 4 B at its peak
+(16 GiB for GLM-5 at 8192 tokens, 65 GiB at 16384); a block holds (2 x heads + 1) x attention_block_elements x 4 B
+(1 GiB at the default 4M), whatever T. A query's scores are its own, so the choice is the same.
+
+The trainer's model gets the packed rows' segments instead of a mask (rlhpc/train/attention.py), and so does the
+indexer: it builds each block's mask from them. Under context parallelism (trainer.cp > 1, rlhpc/train/context.py)
+each rank scores its own positions' queries against the keys of the whole row, gathered from its context group (one
+key head of index_head_dim per position: small next to the scores); the scores, and so the choice, are those of the
+row on one rank. The attention then applies the choice.
 """
 
 from __future__ import annotations
@@ -32,17 +37,21 @@ from rlhpc.train.context import gather_positions
 SPARSE_ATTENTION = ("glm_moe_dsa",)  # models whose indexer `install` replaces
 
 
-def install(model: torch.nn.Module) -> bool:
-    """Gives every DSA indexer of `model` the order-stable choice of keys; False for a model without one."""
+def install(model: torch.nn.Module, block_elements: int = 0) -> bool:
+    """Gives every DSA indexer of `model` the order-stable choice of keys; False for a model without one. With
+    `block_elements` (trainer.attention_block_elements) the indexer scores its queries a block at a time: each block's
+    [B, block, T] scores at most that many elements (x index_n_heads while they are summed over the heads)."""
     if getattr(model.config, "model_type", None) not in SPARSE_ATTENTION:
         return False
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer
 
     for module in model.modules():
-        if isinstance(module, GlmMoeDsaIndexer) and not getattr(module, "rlhpc_stable", False):
-            module.rlhpc_original_forward = module.forward
-            module.forward = types.MethodType(_indexer_forward, module)
-            module.rlhpc_stable = True
+        if isinstance(module, GlmMoeDsaIndexer):
+            if not getattr(module, "rlhpc_stable", False):
+                module.rlhpc_original_forward = module.forward
+                module.forward = types.MethodType(_indexer_forward, module)
+                module.rlhpc_stable = True
+            module.rlhpc_block_elements = block_elements
     return True
 
 
@@ -60,6 +69,31 @@ def index_scores(indexer, hidden_states: torch.Tensor, q_resid: torch.Tensor, po
     """The indexer's score of every key for every query [B, S, T], -inf where the mask forbids the key.
     `attention_mask`: bool or additive [B, S, T], or packed rows' segments [B, 1, W] (long) of which this rank holds
     S positions: all W when W == S, its part of a row split over its context group when W == cp x S."""
+    queries, keys, weights, mask = _project(indexer, hidden_states, q_resid, position_embeddings, attention_mask)
+    return _scores(indexer, queries, keys, weights, mask(0, queries.shape[1]))
+
+
+def choose(indexer, hidden_states: torch.Tensor, q_resid: torch.Tensor, position_embeddings,
+           attention_mask: torch.Tensor, block_elements: int = 0) -> torch.Tensor:
+    """The keys each query attends to, int32 [B, S, k]: the index_topk best scored (index_scores), of equal scores the
+    earlier. With `block_elements` the queries are scored a block at a time (the same choice: each query's scores are
+    its own), so the indexer's transient memory is that of a block, not of S x T scores."""
+    queries, keys, weights, mask = _project(indexer, hidden_states, q_resid, position_embeddings, attention_mask)
+    B, S, T = queries.shape[0], queries.shape[1], keys.shape[1]
+    k = min(indexer.index_topk, T)
+    block = max(1, block_elements // (B * T)) if block_elements else S
+    if block >= S:
+        return stable_topk(_scores(indexer, queries, keys, weights, mask(0, S)), k).to(torch.int32)
+    out = torch.empty(B, S, k, dtype=torch.int32, device=queries.device)
+    for lo in range(0, S, block):
+        hi = min(lo + block, S)
+        out[:, lo:hi] = stable_topk(_scores(indexer, queries[:, lo:hi], keys, weights[:, lo:hi], mask(lo, hi)), k)
+    return out
+
+
+def _project(indexer, hidden_states, q_resid, position_embeddings, attention_mask):
+    """The indexer's queries [B, S, H, D], keys [B, T, D] (the whole row's, gathered from the context group when the
+    row is split), head weights [B, S, H], and the mask of the queries at [lo, hi) as `mask(lo, hi)`."""
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
 
     B, S, _ = hidden_states.shape
@@ -71,23 +105,29 @@ def index_scores(indexer, hidden_states: torch.Tensor, q_resid: torch.Tensor, po
                                                      unsqueeze_dim=2)  # GLM-5's indexer: interleaved RoPE
     queries = torch.cat([q_rope, queries[..., rope:]], dim=-1)
     keys = torch.cat([k_rope, keys[..., rope:]], dim=-1).squeeze(2)  # [B, S, D]
-    segments = _segments(attention_mask)
-    if segments is not None:
-        lo = 0
-        if segments.shape[-1] != S:  # a row split over the context group: the whole row's keys
-            from rlhpc.train.attention import context_of
-
-            group = context_of(segments.shape[-1], S)
-            keys, lo = gather_positions(keys, group), group.rank * S
-        attention_mask = segment_mask(segments, lo, lo + S, segments.shape[-1])[:, 0]  # [B, S, W]
-    per_head = F.relu(torch.matmul(queries.float(), keys.transpose(-1, -2).float().unsqueeze(1))
-                      * indexer.softmax_scale)  # [B, S, H, T]
     weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() \
         * indexer.n_heads ** -0.5  # [B, S, H]
-    scores = torch.matmul(weights.unsqueeze(-2), per_head).squeeze(-2)  # [B, S, T]
-    if attention_mask.dtype == torch.bool:
-        return scores.masked_fill(~attention_mask, float("-inf"))
-    return scores + attention_mask
+    segments = _segments(attention_mask)
+    if segments is None:
+        return queries, keys, weights, lambda lo, hi: attention_mask[:, lo:hi]
+    start = 0
+    if segments.shape[-1] != S:  # a row split over the context group: the whole row's keys
+        from rlhpc.train.attention import context_of
+
+        group = context_of(segments.shape[-1], S)
+        keys, start = gather_positions(keys, group), group.rank * S
+    width = segments.shape[-1]
+    return queries, keys, weights, lambda lo, hi: segment_mask(segments, start + lo, start + hi, width)[:, 0]
+
+
+def _scores(indexer, queries, keys, weights, mask) -> torch.Tensor:
+    """Scores [B, Q, T] of queries [B, Q, H, D] (head weights [B, Q, H]) against keys [B, T, D]; mask [B, Q, T]."""
+    per_head = F.relu(torch.matmul(queries.float(), keys.transpose(-1, -2).float().unsqueeze(1))
+                      * indexer.softmax_scale)  # [B, Q, H, T]
+    scores = torch.matmul(weights.unsqueeze(-2), per_head).squeeze(-2)  # [B, Q, T]
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, float("-inf"))
+    return scores + mask
 
 
 def _segments(mask: torch.Tensor):
@@ -110,5 +150,5 @@ def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attentio
     if past_key_values is not None:  # generation: the cache holds the indexer's keys
         return self.rlhpc_original_forward(hidden_states, q_resid, position_embeddings, attention_mask,
                                            position_ids, past_key_values=past_key_values, **kwargs)
-    scores = index_scores(self, hidden_states, q_resid, position_embeddings, attention_mask)
-    return stable_topk(scores, min(self.index_topk, scores.shape[-1])).to(torch.int32)
+    return choose(self, hidden_states, q_resid, position_embeddings, attention_mask,
+                  getattr(self, "rlhpc_block_elements", 0))
