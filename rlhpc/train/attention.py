@@ -61,10 +61,11 @@ def install(model: torch.nn.Module, cp: int, block_elements: int) -> bool:
     global _INSTALLED
     if cp > 1:
         _check_context_parallel(cfg, cp)
-    sparse.install(model, block_elements)  # GLM-5: its indexer's ties broken by order, its queries in blocks
+    group = context_group(cp) if cp > 1 else None
+    # GLM-5: its indexer's ties broken by order, its queries in blocks, and split rows' keys gathered from the group
+    sparse.install(model, block_elements, group)
     if model_type in NO_CUSTOM_MASK or impl not in ("sdpa", ATTENTION):
         return False
-    group = context_group(cp) if cp > 1 else None
     if impl == ATTENTION and _INSTALLED == Installed(block_elements, group):
         return True  # the step installs its models before each step: once is enough
     register()
@@ -108,14 +109,6 @@ def is_segments(mask) -> bool:
     """Whether an attention "mask" is packed rows' segments [R, 1, 1, W] (long), not a mask."""
     return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[2] == 1 and not mask.is_floating_point() \
         and mask.dtype != torch.bool
-
-
-def context_of(width: int, positions: int) -> ContextGroup:
-    """The context group whose ranks hold `positions` each of a packed row of `width` positions."""
-    group = _INSTALLED.group if _INSTALLED is not None else None
-    if group is None or width != positions * group.cp:
-        raise ValueError(f"got {positions} positions of packed rows of {width}, and no context group splits them so")
-    return group
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,

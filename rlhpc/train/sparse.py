@@ -27,20 +27,22 @@ row on one rank. The attention then applies the choice.
 from __future__ import annotations
 
 import types
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from rlhpc.train.batching import segment_mask
-from rlhpc.train.context import gather_positions
+from rlhpc.train.context import ContextGroup, gather_positions
 
 SPARSE_ATTENTION = ("glm_moe_dsa",)  # models whose indexer `install` replaces
 
 
-def install(model: torch.nn.Module, block_elements: int = 0) -> bool:
+def install(model: torch.nn.Module, block_elements: int = 0, group: Optional[ContextGroup] = None) -> bool:
     """Gives every DSA indexer of `model` the order-stable choice of keys; False for a model without one. With
     `block_elements` (trainer.attention_block_elements) the indexer scores its queries a block at a time: each block's
-    [B, block, T] scores at most that many elements (x index_n_heads while they are summed over the heads)."""
+    [B, block, T] scores at most that many elements (x index_n_heads while they are summed over the heads). `group`:
+    the context group whose ranks split the packed rows (trainer.cp > 1), which the indexer gathers the keys from."""
     if getattr(model.config, "model_type", None) not in SPARSE_ATTENTION:
         return False
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer
@@ -51,7 +53,7 @@ def install(model: torch.nn.Module, block_elements: int = 0) -> bool:
                 module.rlhpc_original_forward = module.forward
                 module.forward = types.MethodType(_indexer_forward, module)
                 module.rlhpc_stable = True
-            module.rlhpc_block_elements = block_elements
+            module.rlhpc_block_elements, module.rlhpc_group = block_elements, group
     return True
 
 
@@ -110,13 +112,13 @@ def _project(indexer, hidden_states, q_resid, position_embeddings, attention_mas
     segments = _segments(attention_mask)
     if segments is None:
         return queries, keys, weights, lambda lo, hi: attention_mask[:, lo:hi]
-    start = 0
-    if segments.shape[-1] != S:  # a row split over the context group: the whole row's keys
-        from rlhpc.train.attention import context_of
-
-        group = context_of(segments.shape[-1], S)
+    start, width = 0, segments.shape[-1]
+    if width != S:  # a row split over the context group: the whole row's keys
+        group = getattr(indexer, "rlhpc_group", None)
+        if group is None or width != S * group.cp:
+            raise ValueError(f"the indexer got {S} positions of packed rows of {width}, and no context group splits "
+                             "them so")
         keys, start = gather_positions(keys, group), group.rank * S
-    width = segments.shape[-1]
     return queries, keys, weights, lambda lo, hi: segment_mask(segments, start + lo, start + hi, width)[:, 0]
 
 
