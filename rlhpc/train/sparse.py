@@ -110,8 +110,9 @@ def _project(indexer, hidden_states, q_resid, position_embeddings, attention_mas
     weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() \
         * indexer.n_heads ** -0.5  # [B, S, H]
     segments = _segments(attention_mask)
-    if segments is None:
-        return queries, keys, weights, lambda lo, hi: attention_mask[:, lo:hi]
+    if segments is None:  # a mask [B, S, T], or [B, 1, T] for every query
+        return queries, keys, weights, lambda lo, hi: attention_mask[:, lo:hi] if attention_mask.shape[1] > 1 \
+            else attention_mask
     start, width = 0, segments.shape[-1]
     if width != S:  # a row split over the context group: the whole row's keys
         group = getattr(indexer, "rlhpc_group", None)
