@@ -25,6 +25,17 @@ def run(tmp_path, *overrides):
 
 
 @pytest.mark.slow
+def test_glm5s_inference_logprobs_are_the_trainers_in_synchronous_mode(tmp_path):
+    # GLM-5's indexer breaks ties among equal scores by order in the transformers engine as in the trainer
+    # (rlhpc/train/sparse.py); with transformers' own choice the mismatch KL was ~1e-4.
+    _, rows = run(tmp_path, "async_level=0", "model=tiny_glm5", "trainer.steps=3", "trainer.groups_per_step=4",
+                  "inference.groups_per_batch=2")
+    assert len(rows) == 3
+    assert all(r["loss/mismatch_kl"] < 1e-6 for r in rows), [r["loss/mismatch_kl"] for r in rows]
+    assert all(abs(r["loss/ratio_mean"] - 1) < 1e-4 for r in rows)
+
+
+@pytest.mark.slow
 def test_synchronous_mode_trains_only_on_groups_from_the_current_weights(tmp_path):
     run_dir, rows = run(tmp_path, "async_level=0")
     assert len(rows) == 12

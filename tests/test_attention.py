@@ -75,9 +75,9 @@ def test_blocks_of_queries_attend_only_to_the_keys_glm5s_indexer_chose():
             assert torch.allclose(got.nan_to_num(), want.nan_to_num(), atol=1e-12), elements
 
 
-def test_glm5_set_up_for_split_rows_still_generates_as_before(tmp_path, monkeypatch):
-    # Under context parallelism GLM-5 runs this attention; generation and evaluation (a cache, a 2-D mask) then
-    # apply the indexer's choice here as transformers' sdpa path does.
+def test_glm5_set_up_for_packed_rows_still_generates_as_before(tmp_path, monkeypatch):
+    # The trainer's GLM-5 runs this attention; generation and evaluation (a cache, a 2-D mask) then apply the
+    # indexer's choice here as transformers' sdpa path does.
     from rlhpc.train import sparse
 
     glm5 = preset("tiny_glm5")
@@ -86,8 +86,10 @@ def test_glm5_set_up_for_split_rows_still_generates_as_before(tmp_path, monkeypa
     plain, installed = models.load_model(tmp_path / "model"), models.load_model(tmp_path / "model")
     monkeypatch.setattr(attention, "_INSTALLED", None)
     attention.register()
-    sparse.install(installed)
-    installed.config._attn_implementation = ATTENTION  # as attention.install does at cp > 1
+    for m in (plain, installed):  # the same choice of keys (ties by order) on both: only the attention differs
+        sparse.install(m)
+    assert plain.config._attn_implementation == "sdpa"  # transformers applies the choice itself
+    installed.config._attn_implementation = ATTENTION  # as attention.install does
     prompt = torch.tensor([[5, 9, 2, 7, 7, 1, 4, 4, 6], [3, 3, 8, 0, 0, 0, 0, 0, 0]])
     mask = torch.tensor([[1] * 9, [1, 1, 1, 0, 0, 0, 0, 0, 0]])
     with torch.no_grad():

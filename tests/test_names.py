@@ -83,7 +83,10 @@ def test_the_layout_known_before_streaming_is_the_streams(model_dir, tmp_path):
 
 
 def test_an_engine_updated_from_the_stream_computes_the_trainers_logits(model_dir, tmp_path):
+    from rlhpc.train import sparse
+
     trainer_model = perturbed(models.load_model(model_dir)).eval()
+    sparse.install(trainer_model)  # GLM-5: the choice among tied keys the trainer and the engine both make
     engine = HFEngine.from_pretrained(str(model_dir))
     with torch.no_grad():
         want = trainer_model(input_ids=IDS).logits

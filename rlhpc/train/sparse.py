@@ -9,8 +9,11 @@ and torch.topk keeps an unspecified one of tied keys, which depends on where the
 tiny GLM-5 with index_topk 16: 8 of 457 top-k boundaries tied, moving a packed sample's logprobs by up to 6e-2).
 
 The trainer's indexer therefore breaks ties by order: among equal scores the earlier key is kept (a stable sort),
-which is the same key packed or alone. Everything else is the model's own computation, and transformers' indexer
-(whose ties fall as they fall) still runs wherever there is a cache (generation, evaluation).
+which is the same key packed or alone. Everything else is the model's own computation. With a cache (generation,
+evaluation) it scores the new positions' queries against the cached keys as transformers' does, and chooses by the
+same rule: the transformers engine installs it too (rlhpc/infer/engines/hf.py), so that its logprobs are the
+trainer's (mismatch KL 0 in fp32 where transformers' choice gave ~1e-4). vLLM runs its own indexer, whose ties fall
+as they fall.
 
 It scores its queries a block at a time (trainer.attention_block_elements): transformers' indexer holds the float32
 scores of every query against every key for each indexer head at once, (2 x heads + 1) x T x T x 4 B at its peak
@@ -76,11 +79,12 @@ def index_scores(indexer, hidden_states: torch.Tensor, q_resid: torch.Tensor, po
 
 
 def choose(indexer, hidden_states: torch.Tensor, q_resid: torch.Tensor, position_embeddings,
-           attention_mask: torch.Tensor, block_elements: int = 0) -> torch.Tensor:
+           attention_mask: torch.Tensor, block_elements: int = 0, past_key_values=None) -> torch.Tensor:
     """The keys each query attends to, int32 [B, S, k]: the index_topk best scored (index_scores), of equal scores the
     earlier. With `block_elements` the queries are scored a block at a time (the same choice: each query's scores are
     its own), so the indexer's transient memory is that of a block, not of S x T scores."""
-    queries, keys, weights, mask = _project(indexer, hidden_states, q_resid, position_embeddings, attention_mask)
+    queries, keys, weights, mask = _project(indexer, hidden_states, q_resid, position_embeddings, attention_mask,
+                                            past_key_values)
     B, S, T = queries.shape[0], queries.shape[1], keys.shape[1]
     k = min(indexer.index_topk, T)
     block = max(1, block_elements // (B * T)) if block_elements else S
@@ -93,9 +97,10 @@ def choose(indexer, hidden_states: torch.Tensor, q_resid: torch.Tensor, position
     return out
 
 
-def _project(indexer, hidden_states, q_resid, position_embeddings, attention_mask):
+def _project(indexer, hidden_states, q_resid, position_embeddings, attention_mask, past_key_values=None):
     """The indexer's queries [B, S, H, D], keys [B, T, D] (the whole row's, gathered from the context group when the
-    row is split), head weights [B, S, H], and the mask of the queries at [lo, hi) as `mask(lo, hi)`."""
+    row is split; with a cache, the cached keys and these), head weights [B, S, H], and the mask of the queries at
+    [lo, hi) as `mask(lo, hi)`."""
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
 
     B, S, _ = hidden_states.shape
@@ -107,6 +112,8 @@ def _project(indexer, hidden_states, q_resid, position_embeddings, attention_mas
                                                      unsqueeze_dim=2)  # GLM-5's indexer: interleaved RoPE
     queries = torch.cat([q_rope, queries[..., rope:]], dim=-1)
     keys = torch.cat([k_rope, keys[..., rope:]], dim=-1).squeeze(2)  # [B, S, D]
+    if past_key_values is not None:  # generation: the cache holds the earlier positions' keys
+        keys = past_key_values.update_indexer(keys, indexer.layer_idx)
     weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() \
         * indexer.n_heads ** -0.5  # [B, S, H]
     segments = _segments(attention_mask)
@@ -150,8 +157,5 @@ def chosen(indices: torch.Tensor, keys: int) -> torch.Tensor:
 @torch.no_grad()
 def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
                      past_key_values=None, **kwargs):
-    if past_key_values is not None:  # generation: the cache holds the indexer's keys
-        return self.rlhpc_original_forward(hidden_states, q_resid, position_embeddings, attention_mask,
-                                           position_ids, past_key_values=past_key_values, **kwargs)
     return choose(self, hidden_states, q_resid, position_embeddings, attention_mask,
-                  getattr(self, "rlhpc_block_elements", 0))
+                  getattr(self, "rlhpc_block_elements", 0), past_key_values)

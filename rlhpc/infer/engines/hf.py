@@ -9,6 +9,7 @@ import torch
 
 from rlhpc.infer.engines import Completion, Engine
 from rlhpc.models import load_model
+from rlhpc.train import sparse
 
 
 class HFEngine(Engine):
@@ -23,6 +24,7 @@ class HFEngine(Engine):
     def from_pretrained(cls, path: str, dtype: str = "float32", seed: int = 0) -> "HFEngine":
         torch.manual_seed(seed)  # each worker samples its own stream
         model = load_model(path, dtype=dtype).eval().to(local_device())
+        sparse.install(model)  # GLM-5: the trainer's choice of keys among ties, so its logprobs are the trainer's
         return cls(model, model.config.pad_token_id if model.config.pad_token_id is not None else 0)
 
     @torch.no_grad()
