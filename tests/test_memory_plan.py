@@ -269,11 +269,9 @@ class LiveBytes:
             del self.live[ptr], self.refs[ptr]
 
 
-def test_the_dsa_indexer_estimate_is_the_peak_of_transformers_indexer():
-    # Measured 2026-12-03 (tiny GLM-5: 2 indexer heads, one row of 512 tokens): the indexer's own tensors peak at 0.94
-    # of the estimate; GLM-5's 32 heads make the T x T x 4 B terms outside the heads smaller still.
-    hf, model = built(preset("tiny_glm5"))
-    tokens = 512
+def indexer_peak(model, hf, tokens: int) -> int:
+    """The peak bytes of the tensors layer 0's DSA indexer creates in a forward over one row of `tokens` tokens (its
+    inputs and the model's parameters not counted)."""
     indexer = model.model.layers[0].self_attn.indexer
     forward, peaks = indexer.forward, []
 
@@ -287,12 +285,21 @@ def test_the_dsa_indexer_estimate_is_the_peak_of_transformers_indexer():
 
     indexer.forward = measured
     with torch.no_grad():
-        model(input_ids=torch.randint(0, hf.vocab_size, (1, tokens)))
+        model(input_ids=torch.randint(0, hf.vocab_size, (1, tokens)), use_cache=False)
+    return peaks[0]
+
+
+def test_the_dsa_indexer_estimate_is_the_peak_of_transformers_indexer():
+    # Measured 2026-12-03 (tiny GLM-5: 2 indexer heads, one row of 512 tokens): the indexer's own tensors peak at 0.94
+    # of the estimate; GLM-5's 32 heads make the T x T x 4 B terms outside the heads smaller still.
+    hf, model = built(preset("tiny_glm5"))
+    tokens = 512
+    peak = indexer_peak(model, hf, tokens)
     estimate = memory.indexer_scores_bytes(hf, tokens)
     # the scores; and the queries, keys and choice (a few percent, with 2 heads)
     rest = tokens * (hf.index_n_heads * hf.index_head_dim + hf.index_topk + hf.index_head_dim) * 4
     assert estimate == (2 * hf.index_n_heads + 1) * tokens * tokens * 4 + rest
-    assert 0.8 <= peaks[0] / estimate <= 1.25
+    assert 0.8 <= peak / estimate <= 1.25
 
 
 def test_the_trainers_indexer_scores_a_block_of_queries_at_a_time_within_the_estimate():
@@ -303,24 +310,11 @@ def test_the_trainers_indexer_scores_a_block_of_queries_at_a_time_within_the_est
     hf, model = built(preset("tiny_glm5"))
     tokens, block = 512, 512 * 32
     sparse.install(model, block_elements=block)
-    indexer = model.model.layers[0].self_attn.indexer
-    forward, peaks = indexer.forward, []
-
-    def measured(*args, **kwargs):
-        inputs = [x for x in [*args, *kwargs.values()] if isinstance(x, torch.Tensor)]
-        meter = LiveBytes({t.untyped_storage().data_ptr() for t in [*inputs, *model.parameters()]})
-        with meter.mode:
-            result = forward(*args, **kwargs)
-        peaks.append(meter.peak)
-        return result
-
-    indexer.forward = measured
-    with torch.no_grad():  # no cache, as the trainer's forward (with one, transformers' indexer runs)
-        model(input_ids=torch.randint(0, hf.vocab_size, (1, tokens)), use_cache=False)
+    peak = indexer_peak(model, hf, tokens)
     estimate = memory.indexer_scores_bytes(hf, tokens, block_elements=block)
     rest = memory.indexer_scores_bytes(hf, tokens) - (2 * hf.index_n_heads + 1) * tokens * tokens * 4
     assert estimate - rest == (2 * hf.index_n_heads + 1) * block * 4  # a sixteenth of transformers' scores
-    assert 0.8 <= peaks[0] / estimate <= 1.25
+    assert 0.8 <= peak / estimate <= 1.25
 
 
 def test_a_plan_whose_heads_do_not_divide_by_tp_is_refused_naming_the_key(tmp_path):

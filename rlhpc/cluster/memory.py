@@ -501,8 +501,7 @@ def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> Non
     scores = indexer_scores_bytes(hf, tokens, tr.cp, tr.attention_block_elements)
     if scores:
         queries = f"T / cp={tr.cp}" if tr.cp > 1 else "T"
-        whole = indexer_scores_bytes(hf, tokens, tr.cp)
-        what = (f"{queries} x T" if scores == whole else
+        what = (f"{queries} x T" if local * tokens <= tr.attention_block_elements else
                 f"a block of attention_block_elements={tr.attention_block_elements} of the {queries} x T scores")
         rows.append(("DSA indexer scores (transient)", scores,
                      f"(2 x index_n_heads {hf.index_n_heads} + 1) x {what} x 4 B, and queries, keys and choice; one "
