@@ -7,6 +7,7 @@ per process) is vLLM's own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -130,6 +131,37 @@ def test_a_follower_serves_each_life_of_its_leader_once_and_ends_with_the_run(tm
     assert served == [("first", 1), ("second", 1)]
 
 
+
+# ---- the leader's watchdog, without vLLM: a sleeping child process stands in for the engine's processes ----------
+
+
+@pytest.mark.parametrize("started", [True, False])
+def test_the_leaders_watchdog_ends_only_an_engine_start_that_has_not_finished(tmp_path, monkeypatch, started):
+    """No follower ever joins (no heartbeat). An engine that is up has all its nodes (vLLM's start waits for them),
+    so once the worker says so the watchdog leaves it running past inference.startup_timeout_s, heartbeats or not;
+    before that, the timeout kills the engine's processes and the start fails naming the follower."""
+    import multiprocessing
+
+    cfg, run = make_run(tmp_path, startup_timeout_s=0.5)
+    monkeypatch.setattr(follower, "RENEW_S", 0.1)
+    engine = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+    try:
+        with pytest.raises(RuntimeError, match=r"follower\(s\) \[0\] of worker 0 did not join") if not started \
+                else contextlib.nullcontext():
+            with follower.leading(cfg, ident(run, "inference", 0), run, "model", 0) as instance:
+                engine.start()
+                if started:
+                    instance.started()
+                engine.join(timeout=3.0)  # six times the timeout: the watchdog looked thirty times
+                assert engine.is_alive() == started
+                if not started:
+                    raise OSError("the engine's processes died")  # how a killed start ends in vLLM
+        assert not follower.record_path(run, 0).exists()
+    finally:
+        if engine.is_alive():
+            engine.kill()
+            engine.join(timeout=10)
+
 # ---- a real instance over two "nodes" -----------------------------------------------------------------------------
 
 
@@ -149,9 +181,11 @@ def test_an_instance_over_two_nodes_matches_transformers_after_an_update_and_its
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     saved = dict(os.environ)  # vLLM sets process environment variables; later tests must not inherit them
     try:
-        with follower.leading(cfg, ident(run, "inference", 0), run, str(model_dir), 0) as inference:
+        with follower.leading(cfg, ident(run, "inference", 0), run, str(model_dir), 0) as instance:
+            inference = instance.inference
             assert inference.engine_args["nnodes"] == 2 and inference.engine_args["node_rank"] == 0
             engine = VLLMEngine(str(model_dir), "float32", cfg=inference, run_dir=str(run.root))
+            instance.started()
             try:
                 # New weights reach the follower's half of every layer too: the instance then computes what
                 # transformers computes with those weights.
@@ -204,8 +238,8 @@ def test_a_leader_whose_follower_never_comes_fails_after_the_startup_timeout_nam
     try:
         with pytest.raises(RuntimeError, match=r"follower\(s\) \[0\] of worker 0 did not join its instance within "
                                                r"inference.startup_timeout_s=20s \(see .*follower-0.log"):
-            with follower.leading(cfg, ident(run, "inference", 0), run, str(model_dir), 0) as inference:
-                VLLMEngine(str(model_dir), "float32", cfg=inference, run_dir=str(run.root))
+            with follower.leading(cfg, ident(run, "inference", 0), run, str(model_dir), 0) as instance:
+                VLLMEngine(str(model_dir), "float32", cfg=instance.inference, run_dir=str(run.root))
     finally:
         os.environ.clear()
         os.environ.update(saved)

@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from rlhpc.config import Config, InferenceConfig
 from rlhpc.identity import Identity
@@ -66,17 +66,27 @@ def followers_of(cfg: Config, worker: int) -> List[int]:
 # ---- the leader -----------------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class Instance:
+    """What `leading` yields: the inference config that makes the engine vLLM node rank 0 of its instance, and
+    `started`, which the worker calls once its engine is up."""
+
+    inference: InferenceConfig
+    started: Callable[[], None] = lambda: None
+
+
 @contextlib.contextmanager
-def leading(cfg: Config, ident: Identity, run: RunDir, model_path: str, seed: int) -> Iterator[InferenceConfig]:
-    """Around the leader's engine: announces the instance to its followers and yields the inference config that
-    makes vLLM node rank 0 of it; removes the record when the worker ends, which ends the followers' executors.
+def leading(cfg: Config, ident: Identity, run: RunDir, model_path: str, seed: int) -> Iterator[Instance]:
+    """Around the leader's engine: announces the instance to its followers and yields its Instance; removes the record
+    when the worker ends, which ends the followers' executors.
 
     A watchdog bounds the engine's start: if a follower has not joined within `inference.startup_timeout_s` (vLLM
     would wait for it until torch.distributed's own timeout), it kills the engine's processes, and the start fails
-    with an error that names the missing followers and their logs."""
+    with an error that names the missing followers and their logs. `Instance.started()` ends the watch: an engine that
+    is up has every follower (vLLM's start waits for all its nodes), whether or not their heartbeats are in yet."""
     inf = cfg.inference
     if inf.nodes_per_instance <= 1:
-        yield inf
+        yield Instance(inf)
         return
     addr = node_address()
     port = free_port("0.0.0.0")
@@ -87,7 +97,7 @@ def leading(cfg: Config, ident: Identity, run: RunDir, model_path: str, seed: in
     write_json(path, record)
     log.info("instance of worker %d over %d nodes: leader at %s:%d; waiting for its %d follower(s) to join",
              ident.rank, inf.nodes_per_instance, addr, port, inf.nodes_per_instance - 1)
-    done = threading.Event()
+    done, started = threading.Event(), threading.Event()
     followers = followers_of(cfg, ident.rank)
     late: Dict[str, str] = {}  # why the watchdog ended the engine's start
 
@@ -96,7 +106,7 @@ def leading(cfg: Config, ident: Identity, run: RunDir, model_path: str, seed: in
         while not done.wait(RENEW_S):
             with contextlib.suppress(OSError):
                 os.utime(path)
-            if followers and time.monotonic() - start > inf.startup_timeout_s:
+            if followers and not started.is_set() and time.monotonic() - start > inf.startup_timeout_s:
                 missing = [f for f in followers if not _joined(run, f, record["id"])]
                 if not missing:
                     followers.clear()  # all joined: nothing more to watch
@@ -119,7 +129,7 @@ def leading(cfg: Config, ident: Identity, run: RunDir, model_path: str, seed: in
     args = dict(inf.engine_args, nnodes=inf.nodes_per_instance, node_rank=0, master_addr=addr, master_port=port,
                 distributed_executor_backend="mp")
     try:
-        yield dataclasses.replace(inf, engine_args=args)
+        yield Instance(dataclasses.replace(inf, engine_args=args), started.set)
     except BaseException as e:
         if "why" in late:
             raise RuntimeError(late["why"]) from e
