@@ -1,5 +1,6 @@
 """How an inference worker waits: backing off (a bounded number of looks at the shared filesystem per second), and
-giving up after its own idle timeout (`inference.idle_timeout_s`), not after the weights group's."""
+giving up after its own idle timeout (`inference.idle_timeout_s`), not after the weights group's; and that it closes
+its engine however it ends."""
 
 import time
 
@@ -45,3 +46,21 @@ def test_a_waiting_worker_backs_off_and_stops_after_its_own_idle_timeout(tmp_pat
     assert len(looks) <= 6 + 2.0 / 0.25 + 2, len(looks)
     gaps = [b - a for a, b in zip(looks, looks[1:])]
     assert max(gaps) < 0.25 + 0.1
+
+
+class ClosedEngine:
+    """Records whether the worker closed it."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_worker_whose_environment_fails_to_load_still_closes_its_engine(tmp_path):
+    cfg = config_mod.to_typed({"run_dir": str(tmp_path), "env": {"name": "no-such-env"}})
+    run = RunDir(tmp_path).make()
+    engine = ClosedEngine()
+    with pytest.raises(Exception, match="no-such-env"):
+        worker._run_engine(cfg, Identity("inference", 0, 1, tmp_path, "t"), run, engine, None)
+    assert engine.closed  # with vLLM: its engine processes end with the worker's error, not at interpreter exit

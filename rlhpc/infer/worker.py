@@ -59,10 +59,12 @@ def _run_worker(cfg: Config, ident: Identity, run: RunDir) -> None:
 
 
 def _run_engine(cfg: Config, ident: Identity, run: RunDir, engine, tokenizer) -> None:
-    env = env_mod.load(cfg.env)
-    pool = EnvPool(cfg.env)  # rewards, tools and replies run here, beside generation
-    server = None
+    """Runs the worker's loop on `engine`, and closes the engine (its processes, with vLLM) however the loop ends,
+    also when the environment cannot be loaded or its pool cannot start."""
+    pool = server = None
     try:
+        env = env_mod.load(cfg.env)
+        pool = EnvPool(cfg.env)  # rewards, tools and replies run here, beside generation
         if cfg.inference.serve:  # the policy over HTTP (docs/serving.md); its clients and the loop take turns
             from rlhpc.infer.server import serve_worker
 
@@ -72,7 +74,8 @@ def _run_engine(cfg: Config, ident: Identity, run: RunDir, engine, tokenizer) ->
     finally:
         if server is not None:
             server.close()
-        pool.close()
+        if pool is not None:
+            pool.close()
         engine.close()
 
 
