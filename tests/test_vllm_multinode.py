@@ -131,7 +131,6 @@ def test_a_follower_serves_each_life_of_its_leader_once_and_ends_with_the_run(tm
     assert served == [("first", 1), ("second", 1)]
 
 
-
 # ---- the leader's watchdog, without vLLM: a sleeping child process stands in for the engine's processes ----------
 
 
@@ -161,6 +160,7 @@ def test_the_leaders_watchdog_ends_only_an_engine_start_that_has_not_finished(tm
         if engine.is_alive():
             engine.kill()
             engine.join(timeout=10)
+
 
 # ---- a real instance over two "nodes" -----------------------------------------------------------------------------
 

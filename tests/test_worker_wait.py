@@ -61,6 +61,6 @@ def test_a_worker_whose_environment_fails_to_load_still_closes_its_engine(tmp_pa
     cfg = config_mod.to_typed({"run_dir": str(tmp_path), "env": {"name": "no-such-env"}})
     run = RunDir(tmp_path).make()
     engine = ClosedEngine()
-    with pytest.raises(Exception, match="no-such-env"):
+    with pytest.raises(ValueError, match="config key `env.name`: no environment 'no-such-env'"):
         worker._run_engine(cfg, Identity("inference", 0, 1, tmp_path, "t"), run, engine, None)
     assert engine.closed  # with vLLM: its engine processes end with the worker's error, not at interpreter exit

@@ -97,8 +97,8 @@ def leading(cfg: Config, ident: Identity, run: RunDir, model_path: str, seed: in
     write_json(path, record)
     log.info("instance of worker %d over %d nodes: leader at %s:%d; waiting for its %d follower(s) to join",
              ident.rank, inf.nodes_per_instance, addr, port, inf.nodes_per_instance - 1)
-    done, started = threading.Event(), threading.Event()
-    followers = followers_of(cfg, ident.rank)
+    done = threading.Event()
+    followers = followers_of(cfg, ident.rank)  # still watched; Instance.started() clears it
     late: Dict[str, str] = {}  # why the watchdog ended the engine's start
 
     def renew() -> None:
@@ -106,7 +106,7 @@ def leading(cfg: Config, ident: Identity, run: RunDir, model_path: str, seed: in
         while not done.wait(RENEW_S):
             with contextlib.suppress(OSError):
                 os.utime(path)
-            if followers and not started.is_set() and time.monotonic() - start > inf.startup_timeout_s:
+            if followers and time.monotonic() - start > inf.startup_timeout_s:
                 missing = [f for f in followers if not _joined(run, f, record["id"])]
                 if not missing:
                     followers.clear()  # all joined: nothing more to watch
@@ -129,7 +129,7 @@ def leading(cfg: Config, ident: Identity, run: RunDir, model_path: str, seed: in
     args = dict(inf.engine_args, nnodes=inf.nodes_per_instance, node_rank=0, master_addr=addr, master_port=port,
                 distributed_executor_backend="mp")
     try:
-        yield Instance(dataclasses.replace(inf, engine_args=args), started.set)
+        yield Instance(dataclasses.replace(inf, engine_args=args), followers.clear)
     except BaseException as e:
         if "why" in late:
             raise RuntimeError(late["why"]) from e
