@@ -114,6 +114,17 @@ def test_roles_and_their_parts_never_import_a_launcher(folder):
     assert not {m: d for m, d in wrong.items() if d}, wrong
 
 
+
+# What the inference role takes from the trainer's folder (docs/code-map.md): the held-out schedule and results, and
+# GLM-5's indexer, so that generation chooses the keys the trainer's forward chooses.
+INFER_FROM_TRAIN = {"rlhpc.train.evaluation", "rlhpc.train.sparse"}
+
+
+def test_inference_takes_from_the_trainers_folder_only_what_the_code_map_names():
+    g = graph()
+    taken = {d for m, deps in g.items() if m.startswith("rlhpc.infer") for d in deps if d.startswith("rlhpc.train")}
+    assert taken <= INFER_FROM_TRAIN, sorted(taken - INFER_FROM_TRAIN)
+
 # The entry points of the role processes and of the standalone commands.
 ENTRY_POINTS = ["rlhpc.role", "rlhpc.sft", "rlhpc.serve", "rlhpc.eval"]
 # All they take from the launcher side: who a Slurm task is (read from Slurm's environment, not from a launcher). The
