@@ -54,6 +54,31 @@ def test_a_crashing_role_stops_the_others_and_the_launcher_shows_its_log(tmp_pat
     assert rlhpc_processes(run_dir) == []
 
 
+
+@pytest.mark.slow
+def test_a_trainer_killed_by_a_signal_is_named_as_the_cause_not_the_worker_that_lost_it(tmp_path):
+    """kill -9 (or the OOM killer) leaves no Python error and no status/FAILED of the killed role; the workers then fail
+    on their dead weights-group peer and one of them writes the marker. The launcher and `rlhpc.status` name the
+    trainer."""
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", "sft.steps=0",
+                          "trainer.steps=10000", "inference.max_restarts=0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ledger = run_dir / "queue" / "ledger.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and (not ledger.exists() or len(ledger.read_text().splitlines()) < 2):
+        time.sleep(0.1)
+    os.kill(json.loads((run_dir / "status" / "trainer-0.json").read_text())["pid"], signal.SIGKILL)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1
+    assert "trainer-0 exited with code -9; ending the others" in err
+    failed = json.loads((run_dir / "status" / "FAILED").read_text())
+    assert (failed["role"], failed["rank"]) == ("trainer", 0) and "SIGKILL" in failed["error"]
+    status = subprocess.run([sys.executable, "-m", "rlhpc.status", str(run_dir), "--no-slurm"], capture_output=True,
+                            text=True, timeout=60)
+    assert "trainer rank 0" in status.stdout and "SIGKILL" in status.stdout, status.stdout
+    assert rlhpc_processes(run_dir) == []
+
 @pytest.mark.slow
 def test_sigint_ends_every_process_the_launcher_started(tmp_path):
     run_dir = tmp_path / "run"

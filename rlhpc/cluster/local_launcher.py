@@ -19,7 +19,7 @@ from typing import IO, List
 from rlhpc.config import Config
 from rlhpc.infer.engines.disagg import describe as disagg_describe
 from rlhpc.procs import free_port, tail
-from rlhpc.rundir import RunDir, read_json
+from rlhpc.rundir import RunDir, read_json, write_json
 
 
 @dataclass
@@ -183,9 +183,22 @@ class LocalLauncher:
         return True
 
     def cause(self, run: RunDir, first: Proc) -> Proc:
-        """The role whose failure started it all (status/FAILED names the first), else the first seen dead."""
+        """The role whose failure started it all: one killed by a signal (kill -9, the OOM killer, a crash), else the
+        one status/FAILED names (a role that fails in Python writes it first), else the first seen dead.
+
+        A role killed by a signal cannot write status/FAILED; the marker there is then a survivor's that failed
+        because of it (a dead peer of its weights group). The launcher writes the killed role into status/FAILED in its
+        place, so that `rlhpc.status` and the summary name the true cause; the survivor's report stays under "then".
+        Signals of rlhpc's own (the launcher ends roles only after this) are not counted: none has been sent yet."""
         time.sleep(0.5)  # let the failing role's marker land
         info = read_json(run.failed)
+        killed = [p for p in self.procs if (p.popen.poll() or 0) < 0]
+        if killed:
+            p = next((k for k in killed if k.popen.returncode == -signal.SIGKILL), killed[0])
+            name = signal.Signals(-p.popen.returncode).name
+            write_json(run.failed, {"role": p.role, "rank": p.rank, "error": f"killed by {name} (no Python error: the "
+                                    f"process was killed from outside, or crashed)", "then": info}, durable=False)
+            return p
         if info:
             for p in self.procs:
                 if (p.role, p.rank) == (info["role"], info["rank"]):
