@@ -7,6 +7,7 @@ or a value of the wrong type fails at composition time with a message that names
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -504,16 +505,25 @@ def validate(cfg: Config) -> None:
     need(cfg.attach in (None, "inference"), "attach", f"{cfg.attach!r} is not one of: inference (or unset)")
     need(cfg.async_level >= 0, "async_level", "must be >= 0")
     need(cfg.algo.group_size >= 2, "algo.group_size", "needs at least 2 completions per task for a group baseline")
-    need(cfg.algo.temperature > 0, "algo.temperature", "must be > 0 for sampling")
-    need(cfg.algo.router_aux_loss_coef >= 0, "algo.router_aux_loss_coef", "must be >= 0 (0: off)")
+    need(0 < cfg.algo.temperature < math.inf, "algo.temperature", "must be a finite number > 0 for sampling")
+    need(0 <= cfg.algo.router_aux_loss_coef < math.inf, "algo.router_aux_loss_coef", "must be finite and >= 0 (0: off)")
     need(not (cfg.trainer.compile and cfg.algo.router_aux_loss_coef > 0), "trainer.compile",
          "is not tested with the router's load-balancing term (its hooks read the routers inside the compiled "
          "blocks): set trainer.compile=false or algo.router_aux_loss_coef=0")
+    _check_built_model(cfg)
     need(cfg.trainer.steps >= 0, "trainer.steps", "must be >= 0")
     need(cfg.trainer.num_ranks >= 1, "trainer.num_ranks", "must be >= 1")
+    need(cfg.trainer.groups_per_step >= 1, "trainer.groups_per_step", "must be >= 1")
+    need(cfg.trainer.threads >= 1, "trainer.threads", "must be >= 1 (torch threads of each trainer rank)")
     need(cfg.trainer.max_bad_steps >= 1, "trainer.max_bad_steps", "must be >= 1")
+    need(cfg.trainer.micro_batch_tokens >= 1, "trainer.micro_batch_tokens", "must be >= 1")
+    need(cfg.trainer.logprob_chunk_tokens >= 0, "trainer.logprob_chunk_tokens", "must be >= 0 (0: the full logits)")
     need(cfg.trainer.pack_row_tokens >= 1, "trainer.pack_row_tokens", "must be >= 1")
     need(cfg.trainer.attention_block_elements >= 1, "trainer.attention_block_elements", "must be >= 1")
+    need(cfg.trainer.checkpoint_interval >= 0, "trainer.checkpoint_interval",
+         "must be >= 0 (0: only at the end and on a stop signal)")
+    need(cfg.trainer.rollout_timeout_s > 0, "trainer.rollout_timeout_s", "must be > 0 seconds")
+    _check_optim(cfg.trainer.optim, "trainer.optim")
     need(not (cfg.trainer.compile and cfg.trainer.ep > 1), "trainer.compile",
          "is not tested with expert parallelism (its all-to-all runs inside the blocks): set trainer.compile=false or "
          "trainer.ep=1")
@@ -524,6 +534,17 @@ def validate(cfg: Config) -> None:
          "trainer.master_dtype=float32 (mixed precision) or trainer.param_dtype=bfloat16 (pure bf16)")
     need(cfg.inference.num_workers >= 1, "inference.num_workers", "must be >= 1")
     need(cfg.inference.groups_per_batch >= 1, "inference.groups_per_batch", "must be >= 1")
+    need(cfg.inference.threads >= 1, "inference.threads", "must be >= 1 (torch threads of each inference worker)")
+    need(cfg.inference.startup_timeout_s > 0, "inference.startup_timeout_s", "must be > 0 seconds")
+    need(cfg.inference.tensor_parallel_size >= 1, "inference.tensor_parallel_size", "must be >= 1")
+    need(0 < cfg.inference.gpu_memory_utilization <= 1, "inference.gpu_memory_utilization",
+         "must be in (0, 1] (a share of the GPU's memory)")
+    need(cfg.inference.max_model_len >= 1, "inference.max_model_len",
+         "must be >= 1 (tokens; larger values are clamped to the model's max_position_embeddings)")
+    need(cfg.inference.kv_cache_gb >= 0, "inference.kv_cache_gb",
+         "must be >= 0 (0: from gpu_memory_utilization on GPU, 0.25 GiB on CPU)")
+    need(cfg.inference.max_num_seqs >= 1, "inference.max_num_seqs", "must be >= 1")
+    need(cfg.inference.engines_per_node >= 1, "inference.engines_per_node", "must be >= 1")
     need(0 <= cfg.inference.serve_port < 65536, "inference.serve_port", "must be a TCP port (0: any free port)")
     _check_instance_nodes(cfg)
     pd = cfg.inference.disaggregation
@@ -541,7 +562,7 @@ def validate(cfg: Config) -> None:
         gpus = cfg.cluster.inference.gpus_per_node
         per_worker = (pd.prefill_tensor_parallel_size or cfg.inference.tensor_parallel_size) \
             + cfg.inference.tensor_parallel_size
-        need(not gpus or per_worker * max(cfg.inference.engines_per_node, 1) <= gpus,
+        need(not gpus or per_worker * cfg.inference.engines_per_node <= gpus,
              "inference.disaggregation.prefill_tensor_parallel_size",
              f"a worker's prefill and decode instances need {per_worker} GPUs (prefill_tensor_parallel_size + "
              f"inference.tensor_parallel_size) x inference.engines_per_node={cfg.inference.engines_per_node}, but a "
@@ -557,8 +578,12 @@ def validate(cfg: Config) -> None:
         "trainer.groups_per_step",
         f"{cfg.trainer.groups_per_step} must be divisible by trainer.num_ranks ({cfg.trainer.num_ranks})",
     )
+    need(cfg.sft.steps >= 0, "sft.steps", "must be >= 0 (0: no warm start)")
+    need(cfg.sft.batch_size >= 1, "sft.batch_size", "must be >= 1")
     need(cfg.sft.check_interval >= 1, "sft.check_interval", "must be >= 1")
+    need(cfg.sft.validation_tasks >= 1, "sft.validation_tasks", "must be >= 1")
     need(0.0 <= cfg.sft.stop_at_reward <= 1.0, "sft.stop_at_reward", "must be in [0, 1] (0: no early stop)")
+    _check_optim(cfg.sft.optim, "sft.optim")
     need(cfg.queue.max_pending_steps >= 1, "queue.max_pending_steps", "must be >= 1")
     need(cfg.queue.lease_s > 0, "queue.lease_s", "must be > 0")
     need(cfg.queue.poll_max_s > 0, "queue.poll_max_s", "must be > 0")
@@ -567,6 +592,8 @@ def validate(cfg: Config) -> None:
     need(cfg.inference.idle_timeout_s >= 0, "inference.idle_timeout_s", "must be >= 0 (0: wait forever)")
     need(cfg.inference.max_restarts >= 0, "inference.max_restarts", "must be >= 0")
     need(cfg.weights.member_timeout_s > 0, "weights.member_timeout_s", "must be > 0")
+    need(cfg.weights.timeout_s > 0, "weights.timeout_s", "must be > 0 seconds")
+    need(cfg.weights.snapshot_interval >= 0, "weights.snapshot_interval", "must be >= 0 (0: initial and final only)")
     need(cfg.weights.receive == "buffered" or not cfg.inference.serve, "weights.receive",
          "in_place cannot be combined with inference.serve=true (an HTTP request could see part-loaded weights); "
          "use weights.receive=buffered")
@@ -576,6 +603,7 @@ def validate(cfg: Config) -> None:
     need(cfg.weights.receive == "buffered" or not whole, "weights.receive",
          "in_place needs vLLM's in-place load_weights (GPU, inference.tensor_parallel_size=1, no quantization, "
          "inference.weight_update auto or inplace): this vLLM setup reloads the whole model; use weights.receive=buffered")
+    need(cfg.eval.interval >= 0, "eval.interval", "must be >= 0 (0: only after SFT and at the end)")
     need(cfg.eval.num_tasks >= 1, "eval.num_tasks", "must be >= 1")
     need(cfg.eval.timeout_s > 0, "eval.timeout_s", "must be > 0")
     need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
@@ -586,6 +614,9 @@ def validate(cfg: Config) -> None:
     need(cfg.env.call_timeout_s > 0, "env.call_timeout_s", "must be > 0")
     need(0.0 <= cfg.env.max_error_fraction <= 1.0, "env.max_error_fraction", "must be in [0, 1]")
     need(cfg.env.sandbox in ("bwrap", "unsandboxed"), "env.sandbox", f"{cfg.env.sandbox!r} is not one of bwrap, unsandboxed")
+    _check_sandbox_limits(cfg.env.sandbox_limits)
+    need(cfg.launcher.timeout_s >= 0, "launcher.timeout_s", "must be >= 0 seconds (0: no limit)")
+    need(cfg.cluster.gpu_memory_gb >= 0, "cluster.gpu_memory_gb", "must be >= 0 (0: no memory check)")
     for check in _CHECKS.values():
         check(cfg)
     need(
@@ -597,6 +628,47 @@ def validate(cfg: Config) -> None:
 
 # transformers' config keys for the number of routed experts, by family (qwen3_moe, glm/deepseek, mixtral/minimax).
 _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _check_built_model(cfg: Config) -> None:
+    """model.*: the sizes of the model built in code (a checkpoint at `model.path` brings its own config, which
+    preflight and the trainer read)."""
+    m = cfg.model
+    if m.path:
+        return
+    for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "max_position_embeddings"):
+        need(getattr(m, key) >= 1, f"model.{key}", "must be >= 1")
+    need(m.num_heads % m.num_kv_heads == 0, "model.num_heads",
+         f"{m.num_heads} must be a multiple of model.num_kv_heads ({m.num_kv_heads}): each key/value head serves a "
+         "whole group of query heads")
+    if "head_dim" not in m.extra:  # else model.extra sets each head's size
+        head_dim = m.hidden_size // m.num_heads
+        need(head_dim >= 2 and head_dim % 2 == 0, "model.hidden_size",
+             f"{m.hidden_size} // model.num_heads ({m.num_heads}) = {head_dim} is each head's size, which rotary "
+             "position embeddings need even and >= 2")
+    need(m.tokenizer_merges >= 0, "model.tokenizer_merges", "must be >= 0")
+
+
+def _check_optim(optim: OptimConfig, key: str) -> None:
+    """One optimizer section (trainer.optim, sft.optim): AdamW's ranges, and a clip norm that only ever shrinks."""
+    need(0 <= optim.lr < math.inf, f"{key}.lr", "must be a finite number >= 0")
+    need(0 <= optim.weight_decay < math.inf, f"{key}.weight_decay", "must be a finite number >= 0 (0: none)")
+    need(0 <= optim.beta1 < 1, f"{key}.beta1", "must be in [0, 1)")
+    need(0 <= optim.beta2 < 1, f"{key}.beta2", "must be in [0, 1)")
+    # clip_grad_norm_ scales gradients by max_grad_norm / norm (at most 1): 0 zeroes them, a negative value flips them.
+    need(optim.max_grad_norm > 0, f"{key}.max_grad_norm", "must be > 0 (inf: no clipping)")
+    need(optim.warmup_steps >= 0, f"{key}.warmup_steps", "must be >= 0 (0: no warmup)")
+
+
+def _check_sandbox_limits(lim: SandboxLimitsConfig) -> None:
+    """env.sandbox_limits: the rlimits and the wall clock of one sandboxed program (rlhpc/env/sandbox.py)."""
+    key = "env.sandbox_limits"
+    need(lim.cpu_s >= 1, f"{key}.cpu_s", "must be >= 1 second")
+    need(lim.memory_mb >= 1, f"{key}.memory_mb", "must be >= 1")
+    need(lim.processes >= 1, f"{key}.processes", "must be >= 1")
+    need(lim.file_size_mb >= 0, f"{key}.file_size_mb", "must be >= 0 (0: no file writes)")
+    need(lim.wall_s > 0, f"{key}.wall_s", "must be > 0 seconds")
 
 
 def _check_instance_nodes(cfg: Config) -> None:

@@ -196,3 +196,94 @@ def test_an_instance_over_whole_nodes_of_a_vllm_engine_is_accepted():
 def test_an_instance_over_nodes_that_cannot_work_is_refused_naming_the_key(overrides, says):
     with pytest.raises(ConfigError, match=says):
         validate(composed("run_dir=/tmp/x", *TWO_NODE_INSTANCE, *overrides))
+
+
+# Values that passed validation and then stopped the run with a traceback, or ran on silently meaning nothing.
+@pytest.mark.parametrize("override,key,says", [
+    ("trainer.groups_per_step=0", "trainer.groups_per_step", "must be >= 1"),
+    ("trainer.threads=0", "trainer.threads", "must be >= 1"),
+    ("inference.threads=0", "inference.threads", "must be >= 1"),
+    ("sft.batch_size=0", "sft.batch_size", "must be >= 1"),
+    ("sft.steps=-1", "sft.steps", "must be >= 0"),
+    ("sft.validation_tasks=0", "sft.validation_tasks", "must be >= 1"),
+    ("trainer.optim.lr=-1", "trainer.optim.lr", "finite number >= 0"),
+    ("trainer.optim.lr=nan", "trainer.optim.lr", "finite number >= 0"),
+    ("sft.optim.lr=inf", "sft.optim.lr", "finite number >= 0"),
+    ("trainer.optim.max_grad_norm=-1", "trainer.optim.max_grad_norm", "must be > 0"),
+    ("trainer.optim.max_grad_norm=0", "trainer.optim.max_grad_norm", "must be > 0"),
+    ("sft.optim.max_grad_norm=nan", "sft.optim.max_grad_norm", "must be > 0"),
+    ("trainer.optim.beta2=1", "trainer.optim.beta2", r"in \[0, 1\)"),
+    ("trainer.optim.weight_decay=-0.1", "trainer.optim.weight_decay", "finite number >= 0"),
+    ("trainer.optim.warmup_steps=-1", "trainer.optim.warmup_steps", "must be >= 0"),
+    ("trainer.micro_batch_tokens=0", "trainer.micro_batch_tokens", "must be >= 1"),
+    ("trainer.logprob_chunk_tokens=-1", "trainer.logprob_chunk_tokens", r"must be >= 0 \(0: the full logits\)"),
+    ("trainer.checkpoint_interval=-1", "trainer.checkpoint_interval", "must be >= 0"),
+    ("trainer.rollout_timeout_s=0", "trainer.rollout_timeout_s", "must be > 0"),
+    ("inference.startup_timeout_s=-1", "inference.startup_timeout_s", "must be > 0"),
+    ("inference.max_model_len=0", "inference.max_model_len", "must be >= 1"),
+    ("inference.tensor_parallel_size=0", "inference.tensor_parallel_size", "must be >= 1"),
+    ("inference.gpu_memory_utilization=1.5", "inference.gpu_memory_utilization", r"in \(0, 1\]"),
+    ("inference.kv_cache_gb=-1", "inference.kv_cache_gb", "must be >= 0"),
+    ("inference.max_num_seqs=0", "inference.max_num_seqs", "must be >= 1"),
+    ("inference.engines_per_node=0", "inference.engines_per_node", "must be >= 1"),
+    ("weights.timeout_s=-1", "weights.timeout_s", "must be > 0"),
+    ("weights.snapshot_interval=-1", "weights.snapshot_interval", "must be >= 0"),
+    ("eval.interval=-1", "eval.interval", "must be >= 0"),
+    ("algo.temperature=inf", "algo.temperature", "finite number > 0"),
+    ("algo.temperature=nan", "algo.temperature", "finite number > 0"),
+    ("env.sandbox_limits.cpu_s=-1", "env.sandbox_limits.cpu_s", "must be >= 1"),
+    ("env.sandbox_limits.memory_mb=0", "env.sandbox_limits.memory_mb", "must be >= 1"),
+    ("env.sandbox_limits.processes=0", "env.sandbox_limits.processes", "must be >= 1"),
+    ("env.sandbox_limits.file_size_mb=-1", "env.sandbox_limits.file_size_mb", "must be >= 0"),
+    ("env.sandbox_limits.wall_s=0", "env.sandbox_limits.wall_s", "must be > 0"),
+    ("launcher.timeout_s=-1", "launcher.timeout_s", "must be >= 0"),
+    ("cluster.gpu_memory_gb=-80", "cluster.gpu_memory_gb", "must be >= 0"),
+    ("model.hidden_size=0", "model.hidden_size", "must be >= 1"),
+    ("model.num_layers=0", "model.num_layers", "must be >= 1"),
+    ("model.intermediate_size=0", "model.intermediate_size", "must be >= 1"),
+    ("model.num_kv_heads=0", "model.num_kv_heads", "must be >= 1"),
+    ("model.max_position_embeddings=0", "model.max_position_embeddings", "must be >= 1"),
+    ("model.num_heads=3", "model.num_heads", r"3 must be a multiple of model.num_kv_heads \(2\)"),
+    ("model.hidden_size=12", "model.hidden_size", r"12 // model.num_heads \(4\) = 3 is each head's size"),
+    ("model.tokenizer_merges=-1", "model.tokenizer_merges", "must be >= 0"),
+])
+def test_a_value_outside_its_range_is_refused_naming_the_key_and_the_range(override, key, says):
+    cfg = composed("+exp=reverse_text", "run_dir=/tmp/x", override)
+    with pytest.raises(ConfigError, match=rf"^config key `{key}`: .*{says}"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("override", [
+    "trainer.logprob_chunk_tokens=0",  # the full logits
+    "trainer.checkpoint_interval=0",  # only at the end and on a stop signal
+    "eval.interval=0",  # only after SFT and at the end
+    "weights.snapshot_interval=0",  # initial and final only
+    "inference.kv_cache_gb=0",  # sized by the engine
+    "launcher.timeout_s=0",  # no limit
+    "sft.steps=0",  # no warm start
+    "trainer.optim.lr=0",  # weights that never change: a control run
+    "trainer.optim.lr=1e9",  # odd, but a learning rate
+    "trainer.optim.max_grad_norm=inf",  # no clipping
+    "env.sandbox_limits.file_size_mb=0",  # no file writes
+    "model.hidden_size=130",  # heads of 32 (130 // 4) need not tile the hidden size
+])
+def test_a_boundary_value_with_a_documented_meaning_is_accepted(override):
+    validate(composed("+exp=reverse_text", "run_dir=/tmp/x", override))
+
+
+def test_the_sizes_of_a_checkpoints_model_are_its_own_config_not_the_model_keys():
+    # model.path brings its config.json (checked by preflight): the keys of the model built in code are not used.
+    validate(composed("+exp=reverse_text", "run_dir=/tmp/x", "model.path=/checkpoint", "model.num_layers=0",
+                      "model.num_heads=3"))
+
+
+def test_a_model_of_no_layers_is_refused_by_the_dry_run_in_one_line(tmp_path):
+    # It used to reach the memory plan (rlhpc/cluster/memory.py) and end in a traceback there.
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhpc.launch", "+exp=reverse_text", f"run_dir={tmp_path / 'run'}", "dry_run=true",
+         "model.num_layers=0"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: config key `model.num_layers`: must be >= 1", proc.stderr
+    assert not (tmp_path / "run").exists()
