@@ -2,26 +2,70 @@
 
 Left: the SFT loss per warm-start step. Right: held-out reward (greedy) against RL step, with the training rollouts'
 mean reward faded behind it. Reads logs/trainer-0.metrics.jsonl and summary.json (a run still going: run_dir/evals/,
-the held-out results, written by rlhpc/train/evaluation.py).
+the held-out results, written by rlhpc/train/evaluation.py). A file it cannot read (a run still writing it, or a
+damaged one) is left out with a note on stderr; a path that is not a run directory, or labels that do not match the
+runs, is an error before anything is drawn.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from rlhpc.metrics import read_rows
-from rlhpc.rundir import RunDir, read_json
+from rlhpc.rundir import RunDir, is_number, read_json_object
+
+
+class PlotError(ValueError):
+    """What the caller asked for cannot be plotted (the message names the argument)."""
+
+
+def check_runs(run_dirs: List[Path], labels: Optional[List[str]] = None) -> None:
+    """Raises PlotError unless every path is a run directory (it holds the config.yaml rlhpc.launch writes first; a
+    mistyped path would otherwise give an empty plot) and there is one label per run (when labels are given)."""
+    for d in run_dirs:
+        if not d.exists():
+            raise PlotError(f"run directory {d} does not exist")
+        if not RunDir(d).config.exists():
+            raise PlotError(f"{d} is not a run directory (no config.yaml written by rlhpc.launch)")
+    if labels and len(labels) != len(run_dirs):
+        raise PlotError(f"--labels: {len(labels)} label(s) for {len(run_dirs)} run(s); give one per run directory")
+
+
+def _read(path: Path, numbers: Tuple[str, ...] = ()) -> Optional[Dict[str, Any]]:
+    """The JSON object in `path`, or None: one that a run still going is writing, or a damaged one, is left out with a
+    note (rlhpc.rundir.read_json_object)."""
+    problems: Dict[Path, str] = {}
+    value = read_json_object(path, problems, numbers)
+    for p, why in problems.items():
+        _note(p, why)
+    return value
+
+
+def _note(path: Path, why: str) -> None:
+    print(f"note: {path}: {why}; left out of the plot", file=sys.stderr)
+
+
+def _rows(run: RunDir) -> List[dict]:
+    """The trainer's metrics rows as rlhpc.metrics writes them (numbers only); other rows left out, with a note."""
+    rows = read_rows(run, "trainer", 0)
+    good = [r for r in rows if isinstance(r, dict) and is_number(r.get("step")) and all(map(is_number, r.values()))]
+    if len(good) < len(rows):
+        _note(run.logs / "trainer-0.metrics.jsonl", f"{len(rows) - len(good)} row(s) not numbers only")
+    return good
 
 
 def plot_runs(run_dirs: List[Path], out: Path, labels: Optional[List[str]] = None, title: str = "") -> Path:
+    check_runs(run_dirs, labels)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with_sft = any("sft/loss" in r for d in run_dirs for r in read_rows(RunDir(d), "trainer", 0))
+    rows_of = {d: _rows(RunDir(d)) for d in run_dirs}
+    with_sft = any("sft/loss" in r for rows in rows_of.values() for r in rows)
     if with_sft:
         fig, (ax_sft, ax_rl) = plt.subplots(1, 2, figsize=(12, 4.5))
     else:  # RL only (e.g. from model.path with sft.steps=0)
@@ -29,8 +73,8 @@ def plot_runs(run_dirs: List[Path], out: Path, labels: Optional[List[str]] = Non
         ax_sft = None
     for i, d in enumerate(run_dirs):
         run = RunDir(d)
-        rows = read_rows(run, "trainer", 0)
-        summary = read_json(run.summary) or {}
+        rows = rows_of[d]
+        summary = _read(run.summary) or {}
         label = labels[i] if labels else summary.get("algo", d.name)
         sft = [(r["step"], r["sft/loss"]) for r in rows if "sft/loss" in r]
         if sft and ax_sft is not None:
@@ -44,7 +88,8 @@ def plot_runs(run_dirs: List[Path], out: Path, labels: Optional[List[str]] = Non
             ax_val.legend(fontsize=8, loc="center right")
         # The held-out curve: (weights version, reward); version v is the policy after RL step v.
         curve = (summary.get("eval_curve")
-                 or sorted((e["version"], e["reward"]) for e in map(read_json, (run.root / "evals").glob("v*.json")) if e)
+                 or sorted((e["version"], e["reward"]) for e in (_read(p, ("version", "reward"))
+                                                                 for p in (run.root / "evals").glob("v*.json")) if e)
                  or [(r["step"], r["eval/heldout_reward"]) for r in rows if "eval/heldout_reward" in r])
         (line,) = ax_rl.plot([s for s, _ in curve], [v for _, v in curve], marker="o", ms=3, label=f"{label} held-out (greedy)")
         train = [(r["step"], r["rollout/reward"]) for r in rows if "rollout/reward" in r]
@@ -65,15 +110,20 @@ def plot_runs(run_dirs: List[Path], out: Path, labels: Optional[List[str]] = Non
     return out
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("run_dirs", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, default=Path("curves.png"))
     ap.add_argument("--labels", nargs="*")
     ap.add_argument("--title", default="")
-    args = ap.parse_args()
-    print(plot_runs(args.run_dirs, args.out, args.labels, args.title))
+    args = ap.parse_args(argv)
+    try:
+        print(plot_runs(args.run_dirs, args.out, args.labels, args.title))
+    except PlotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,7 +7,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from rlhpc.procs import tail
 
@@ -44,6 +44,32 @@ def read_json(path: Path, default: Any = None) -> Any:
         return json.loads(path.read_text())
     except FileNotFoundError:
         return default
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def read_json_object(path: Path, problems: Dict[Path, str], numbers: Sequence[str] = ()) -> Optional[Dict[str, Any]]:
+    """For readers that must not stop at one bad file (rlhpc.status, rlhpc.plots: they run while the roles write, and
+    not every writer is atomic, nor every filesystem): the JSON object in `path`, or None. A missing file is None
+    silently (not written yet); one that does not parse, is not an object, or whose `numbers` fields are not numbers is
+    None with the reason in `problems[path]`. (`read_json`, for the roles, lets a bad file raise.)"""
+    try:
+        value = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        problems[path] = f"{type(e).__name__}: {e}"
+        return None
+    if not isinstance(value, dict):
+        problems[path] = f"holds a JSON {type(value).__name__}, not an object"
+        return None
+    wrong = [k for k in numbers if not is_number(value.get(k))]
+    if wrong:
+        problems[path] = f"{', '.join(wrong)}: not a number"
+        return None
+    return value
 
 
 def wait_for(

@@ -3,7 +3,8 @@
 Shows the run's Slurm job(s) and their states (run_dir/jobs.json + sacct/squeue; local runs have none), the trainer's
 step, the recent rollout and held-out rewards, queue depth and staleness, the last heartbeat of every role, and, for a
 failed run, which role failed, why, and the end of its log. Reads files only: safe to run at any time, from any node
-that sees the run directory. `--json` prints the same as JSON.
+that sees the run directory. A file it cannot read (half-written, or damaged) is named under "unreadable" and the rest
+is shown. `--json` prints the same as JSON.
 """
 
 from __future__ import annotations
@@ -16,11 +17,25 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from rlhpc.metrics import bottleneck, busy_by_process
-from rlhpc.rundir import RunDir, read_json
-from rlhpc.train.evaluation import read_curve
+from rlhpc.procs import tail
+from rlhpc.rundir import RunDir, is_number, read_json_object
+from rlhpc.train.evaluation import evals_dir
 
-def _metrics_tail(path: Path, max_bytes: int = 256 << 10) -> List[Dict[str, Any]]:
-    """The last rows of a metrics.jsonl (only its end is read: the file grows with the run)."""
+# The files the status could not read -> why (rlhpc.rundir.read_json_object); shown by their path in the run directory.
+Unreadable = Dict[Path, str]
+
+
+def _in_run(run: RunDir, path: Path) -> str:
+    try:
+        return str(path.relative_to(run.root))
+    except ValueError:
+        return str(path)
+
+
+def _metrics_tail(path: Path, max_bytes: int = 256 << 10, run: Optional[RunDir] = None,
+                  bad: Optional[Unreadable] = None) -> List[Dict[str, Any]]:
+    """The last rows of a metrics.jsonl (only its end is read: the file grows with the run). Rows as rlhpc.metrics
+    writes them, numbers only; any other row is skipped and, with `bad`, counted there."""
     try:
         with open(path, "rb") as f:
             f.seek(0, 2)
@@ -29,12 +44,18 @@ def _metrics_tail(path: Path, max_bytes: int = 256 << 10) -> List[Dict[str, Any]
             data = f.read().decode(errors="replace")
     except FileNotFoundError:
         return []
-    rows = []
+    rows, wrong = [], 0
     for line in data.splitlines()[1 if size > max_bytes else 0:]:
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:  # a line cut by a crash or by the seek
             continue
+        if isinstance(row, dict) and "step" in row and all(is_number(v) for v in row.values()):
+            rows.append(row)
+        else:  # the sums and comparisons below would fail on it
+            wrong += 1
+    if wrong and bad is not None and run is not None:
+        bad[path] = f"{wrong} row(s) skipped: a metrics row holds numbers only"
     return rows
 
 
@@ -47,6 +68,7 @@ def _last(rows: List[Dict[str, Any]], key: str) -> Optional[Dict[str, Any]]:
 
 def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
     out: Dict[str, Any] = {"run_dir": str(run.root)}
+    bad: Unreadable = {}
     now = time.time()
     if run.summary.exists():
         out["state"] = "finished"
@@ -57,9 +79,9 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
     else:
         out["state"] = "running or not started"
 
-    from rlhpc.cluster.slurm_jobs import recorded_jobs
+    from rlhpc.cluster.slurm_jobs import jobs_file
 
-    jobs = recorded_jobs(run)
+    jobs = _jobs(run, jobs_file(run), bad)
     out["jobs"] = []
     for entry in jobs:
         job: Dict[str, Any] = {"job_id": entry["job_id"], "name": entry.get("name", ""),
@@ -73,21 +95,26 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
                                     "nodes": c.nodes, "elapsed": c.elapsed, "reason": c.reason} for c in st.components])
         out["jobs"].append(job)
 
-    rows = _metrics_tail(run.logs / "trainer-0.metrics.jsonl")
-    hb = read_json(run.status / "trainer-0.json") or {}
+    rows = _metrics_tail(run.logs / "trainer-0.metrics.jsonl", run=run, bad=bad)
+    # Every role's heartbeat, status/<role>-<rank>.json (rlhpc.rundir.RunDir.heartbeats, read here by _read).
+    heartbeats = {p.stem: info for p in sorted(run.status.glob("*-*.json")) if (info := read_json_object(p, bad, ("time",)))}
+    hb = heartbeats.get("trainer-0", {})
     trainer: Dict[str, Any] = {}
     if hb.get("phase") == "sft":
         trainer.update(phase="sft", sft_step=hb.get("sft_step"), sft_steps=hb.get("sft_steps"))
     rl_rows = [r for r in rows if not any(k.startswith("sft/") for k in r)]  # SFT rows carry only sft/* scalars
     if rl_rows or "step" in hb:
-        trainer.update(phase="rl", step=max([r["step"] for r in rl_rows] + [hb.get("step", 0)]), steps=hb.get("steps"))
+        hb_step = hb["step"] if is_number(hb.get("step")) else 0
+        trainer.update(phase="rl", step=max([r["step"] for r in rl_rows] + [hb_step]), steps=hb.get("steps"))
     for key, name in (("rollout/reward", "reward"), ("eval/heldout_reward", "heldout_reward"),
                       ("async/staleness_mean", "staleness_mean")):
         row = _last(rl_rows, key)  # eval/heldout_reward: runs from before evaluation moved to inference worker 0
         if row:
             trainer[name] = row[key]
             trainer[f"{name}_step"] = row["step"]
-    curve = read_curve(run)  # run_dir/evals/: the held-out reward of version v is that after step v
+    # run_dir/evals/ (rlhpc.train.evaluation.read_curve): the held-out reward of version v is that after step v.
+    curve = sorted((r["version"], r["reward"]) for r in (read_json_object(p, bad, ("version", "reward"))
+                                                         for p in sorted(evals_dir(run).glob("v*.json"))) if r)
     if curve:
         trainer["heldout_reward_step"], trainer["heldout_reward"] = curve[-1]
     if not trainer.get("steps"):
@@ -106,20 +133,36 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
     out["heartbeats"] = {
         name: {"age_s": round(now - info["time"], 1),
                **{k: v for k, v in info.items() if k in ("host", "step", "version", "phase")}}
-        for name, info in run.heartbeats().items() if "time" in info
+        for name, info in heartbeats.items()
     }
     # Where the time goes lately (the tail of each process's metrics): working, or waiting for the other side.
-    out["busy"] = busy_by_process(run, rows_of=lambda path: _metrics_tail(path, 64 << 10))
+    out["busy"] = busy_by_process(run, rows_of=lambda path: _metrics_tail(path, 64 << 10, run=run, bad=bad))
     # Workers serving the policy over HTTP (inference.serve=true): rendezvous/serve-<rank>.json.
-    out["endpoints"] = [e for e in (read_json(p) for p in sorted(run.rendezvous.glob("serve-*.json"))) if e]
-    fail = run.failure_report()
+    out["endpoints"] = [e for e in (read_json_object(p, bad) for p in sorted(run.rendezvous.glob("serve-*.json"))) if e]
+    # Which role failed first (status/FAILED, written by the role itself), why, and the end of its log
+    # (rlhpc.rundir.RunDir.failure_report, read here by _read).
+    fail = read_json_object(run.failed, bad)
     if fail:
-        out["failure"] = fail
-    summary = read_json(run.summary)
+        log = run.log_file(fail.get("role", "?"), fail.get("rank", 0))
+        out["failure"] = {**fail, "log": str(log), "log_tail": tail(log)}
+    summary = read_json_object(run.summary, bad)
     if summary:
         out["summary"] = {k: summary.get(k) for k in ("heldout_reward_base", "heldout_reward_sft", "heldout_reward_rl",
                                                      "rl_steps", "wall_time_s") if k in summary}
+    out["unreadable"] = {_in_run(run, p): why for p, why in sorted(bad.items())}
     return out
+
+
+def _jobs(run: RunDir, path: Path, bad: Unreadable) -> List[Dict[str, Any]]:
+    """The Slurm jobs recorded in jobs.json (rlhpc.cluster.slurm_jobs.recorded_jobs, read here by _read)."""
+    record = read_json_object(path, bad)
+    if record is None:
+        return []
+    jobs = record.get("jobs")
+    if not isinstance(jobs, list) or not all(isinstance(j, dict) and "job_id" in j for j in jobs):
+        bad[path] = "no list of jobs with a job_id each"
+        return []
+    return jobs
 
 
 def _config_steps(run: RunDir) -> Optional[int]:
@@ -188,6 +231,8 @@ def render(info: Dict[str, Any]) -> str:
         f = info["failure"]
         lines += [f"failed:  {f.get('role')} rank {f.get('rank')}: {f.get('error')}",
                   f"--- last lines of {f['log']} ---", f["log_tail"]]
+    for path, why in info.get("unreadable", {}).items():
+        lines.append(f"unreadable: {path} ({why})")
     return "\n".join(lines)
 
 

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from rlhpc.rundir import RunDir, write_json
 from rlhpc.train.evaluation import write_result
 
@@ -99,3 +101,38 @@ def test_the_status_says_which_side_waits_for_the_other(tmp_path):
     out = status(run.root).stdout
     assert "trainer-0 busy 35%, waiting 60%" in out and "inference-1 busy 95%, waiting 0%" in out
     assert "the trainer waits for rollouts 60% of the time: generation is the bottleneck" in out
+
+
+# The status runs while the roles write: a half-written or damaged file is named, and everything else still shows.
+@pytest.mark.parametrize("name", ["summary.json", "status/trainer-0.json", "status/FAILED", "evals/v000002.json",
+                                  "jobs.json", "rendezvous/serve-0.json"])
+@pytest.mark.parametrize("content", ["", '{"role": "infer'], ids=["empty", "cut"])
+def test_a_half_written_file_is_named_and_the_rest_still_shows(tmp_path, name, content):
+    run = a_run(tmp_path)
+    (run.root / name).write_text(content)
+    proc = status(run.root, "--no-slurm")
+    assert proc.returncode == 0, proc.stderr
+    assert f"unreadable: {name} (JSONDecodeError: " in proc.stdout
+    assert "step 3/10" in proc.stdout and "inference-1" in proc.stdout
+
+
+def test_a_metrics_row_that_is_not_numbers_is_skipped_and_named(tmp_path):
+    run = a_run(tmp_path)
+    with open(run.logs / "trainer-0.metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": "x", "time": 0, "rollout/reward": 1.0}) + "\n")
+    proc = status(run.root, "--no-slurm")
+    assert proc.returncode == 0, proc.stderr
+    why = "1 row(s) skipped: a metrics row holds numbers only"
+    assert f"unreadable: logs/trainer-0.metrics.jsonl ({why})" in proc.stdout
+    assert "step 3/10  reward 0.300 (step 3)" in proc.stdout
+
+
+def test_json_output_lists_the_unreadable_files(tmp_path):
+    run = a_run(tmp_path)
+    healthy = json.loads(status(run.root, "--json", "--no-slurm").stdout)
+    run.summary.write_text("")
+    info = json.loads(status(run.root, "--json", "--no-slurm").stdout)
+    assert healthy["unreadable"] == {}
+    assert list(info["unreadable"]) == ["summary.json"]
+    assert info["unreadable"]["summary.json"].startswith("JSONDecodeError: ")
+    assert info["trainer"]["step"] == 3
