@@ -20,6 +20,7 @@ import logging
 import math
 import secrets
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from itertools import islice
@@ -91,43 +92,64 @@ def report(tasks: Sequence[Any], sampled: List[List[Any]], greedy: List[List[Any
 
 
 def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
+    import httpx
+
     from rlhpc import env as env_mod
-    from rlhpc import models
+    from rlhpc import models, preflight
+    from rlhpc.config import ConfigError
     from rlhpc.env.pool import EnvPool
-    from rlhpc.infer.engines.remote import RemoteEngine
+    from rlhpc.infer.engines.remote import RemoteEngine, RemoteEngineError
     from rlhpc.infer.rollout import episodes
     from rlhpc.infer.server import endpoint
 
     e = cfg.eval
-    server = None
+    server, scratch = None, None
+    if cfg.model.path:
+        preflight.check_model(cfg, trainer=False)
+    preflight.check_context(cfg)
+    env = env_mod.load(cfg.env)
     if e.run:
         ep = endpoint(e.run, e.worker)
-        url, token, model_dir = ep.url, ep.token, cfg.model.path or ep.model_dir
+        url, token, model_dir, key = ep.url, ep.token, cfg.model.path or ep.model_dir, "eval.run"
     elif e.endpoint:
         if not cfg.model.path:
             raise ValueError("config key `model.path`: eval.endpoint needs the served model's folder (its tokenizer)")
-        url, token, model_dir = e.endpoint, e.token or None, cfg.model.path
+        url, token, model_dir, key = e.endpoint, e.token or None, cfg.model.path, "eval.endpoint"
     else:
         from rlhpc.serve import start
 
+        if not cfg.model.path:
+            print("warning: no model.path: scoring the untrained model built in code from model.*", file=sys.stderr)
         token = secrets.token_hex(16)
-        server, path = start(cfg, token=token)
-        url, model_dir = server.url, str(path)
-    env = env_mod.load(cfg.env)
-    tasks = list(islice(env.tasks("eval", 0), cfg.eval.num_tasks))
-    tokenizer = models.load_tokenizer(model_dir)
-    engine = RemoteEngine(url, token, concurrency=e.concurrency)
-    pool = EnvPool(cfg.env)
-    t0 = time.time()
+        # The engine's files (and the model built in code) live as long as this evaluation.
+        scratch = tempfile.TemporaryDirectory(prefix="rlhpc-eval-")
+        try:
+            server, path = start(cfg, token=token, scratch=Path(scratch.name))
+        except BaseException:
+            scratch.cleanup()
+            raise
+        url, model_dir, key = server.url, str(path), ""
     try:
-        sampled = episodes(engine, env, pool, tokenizer, tasks, e.k, e.temperature, cfg.env)
-        greedy = episodes(engine, env, pool, tokenizer, tasks, 1, 1.0, cfg.env, greedy=True) if e.greedy else None
+        tasks = list(islice(env.tasks("eval", 0), cfg.eval.num_tasks))
+        tokenizer = models.load_tokenizer(model_dir)
+        try:
+            engine = RemoteEngine(url, token, concurrency=e.concurrency)
+        except (httpx.TransportError, RemoteEngineError) as err:
+            raise ConfigError(f"config key `{key}`: the server at {url} cannot be used: {err}") from None
+        pool = EnvPool(cfg.env)
+        t0 = time.time()
+        try:
+            sampled = episodes(engine, env, pool, tokenizer, tasks, e.k, e.temperature, cfg.env)
+            greedy = episodes(engine, env, pool, tokenizer, tasks, 1, 1.0, cfg.env, greedy=True) if e.greedy else None
+        finally:
+            pool.close()
+            engine.close()
     finally:
-        pool.close()
-        engine.close()
         if server is not None:
             server.close()
             server.engine.close()
+        if scratch is not None:
+            scratch.cleanup()
     out = {"env": env.name, "model": engine.model, "endpoint": url, "temperature": e.temperature,
            "weights_version": engine.version, **report(tasks, sampled, greedy, e.k, e.pass_threshold),
            "wall_time_s": time.time() - t0}

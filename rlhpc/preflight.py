@@ -30,11 +30,14 @@ def check(cfg: Config, model: bool = True) -> None:
     run may plan for a checkpoint that only the cluster's filesystem holds)."""
     if model:
         check_model(cfg)
+    check_context(cfg)
     check_env(cfg)
     check_loss(cfg)
 
 
-def check_model(cfg: Config) -> None:
+def check_model(cfg: Config, trainer: bool = True) -> None:
+    """`model.path` (when set) holds a config and a tokenizer that load and belong together, and whole weights
+    (`check_weights`); `trainer=False` (serving, evaluation) also accepts weights other than safetensors."""
     path = cfg.model.path
     if not path:
         return
@@ -62,6 +65,85 @@ def check_model(cfg: Config) -> None:
     if vocab and len(tokenizer) > vocab:
         raise ConfigError(f"config key `model.path`: the tokenizer in {path} has {len(tokenizer)} tokens, more than "
                           f"the model's vocabulary ({vocab}): they do not belong together")
+    check_weights(folder, safetensors_only=trainer)
+
+
+def check_weights(folder: Path, safetensors_only: bool = True) -> None:
+    """The checkpoint's weights are there and whole, from the safetensors headers alone (8 bytes and a JSON header a
+    file; the tensors are not read): a sharded checkpoint's index names files that exist, each file's header parses,
+    and its tensors end where the file ends, so a truncated or foreign file fails here, naming it, rather than in a
+    role after the job started. The trainer reads safetensors only (rlhpc/train/loading.py); serving and evaluation
+    (`safetensors_only=False`) also accept PyTorch .bin weights, which are not checked."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is not an index
+            raise ConfigError(f"config key `model.path`: {index} is not a safetensors index: {one_line(e)}") from None
+    elif (folder / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    elif not safetensors_only and any(folder.glob("pytorch_model*.bin")):
+        return
+    else:
+        raise ConfigError(f"config key `model.path`: no model.safetensors or model.safetensors.index.json in {folder}"
+                          + (" (the trainer loads safetensors checkpoints; convert others with save_pretrained)"
+                             if safetensors_only else ""))
+    for name in files:
+        problem = _safetensors_problem(folder / name)
+        if problem:
+            raise ConfigError(f"config key `model.path`: {folder / name}: {problem}")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why the safetensors file `path` cannot be whole, or None: read from its header and its size."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or not 0 < n <= min(size - 8, 100 << 20):
+                return f"not a safetensors file (header length {n}, file size {size} bytes)"
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        return "missing (the checkpoint's index names it)"
+    except (OSError, ValueError) as e:
+        return f"unreadable safetensors header: {one_line(e)}"
+    if not isinstance(header, dict):
+        return "not a safetensors header"
+    ends = [v.get("data_offsets", [0, 0])[1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    end = 8 + n + max((e for e in ends if isinstance(e, int)), default=0)
+    if end != size:
+        return (f"{size} bytes, but its header says {end}: " + ("truncated (an interrupted copy?)" if end > size
+                                                                else "trailing bytes after its tensors"))
+    return None
+
+
+def context_tokens(cfg: Config) -> int | None:
+    """Tokens a sequence of the model may hold: its max_position_embeddings (model.path's config.json, or the model
+    built in code), within vLLM's `inference.max_model_len`; None when model.path's config does not say."""
+    if cfg.model.path:
+        try:
+            hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None  # check_model names what is wrong with it
+        limit = hf.get("max_position_embeddings") or (hf.get("text_config") or {}).get("max_position_embeddings")
+    else:
+        limit = cfg.model.max_position_embeddings
+    if limit and cfg.inference.engine == "vllm" and cfg.inference.max_model_len:
+        limit = min(limit, cfg.inference.max_model_len)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_context(cfg: Config) -> None:
+    """A turn's completion fits in the model's context with room for a prompt: otherwise every episode is cut short
+    and the run trains on nothing (a run of `env=math`, 512 new tokens, on the 256-token model built in code scored
+    0 throughout, with only a transformers warning in the workers' logs)."""
+    limit = context_tokens(cfg)
+    if limit is not None and cfg.env.max_new_tokens >= limit:
+        where = (f"the context of model.path's config ({limit} tokens" if cfg.model.path
+                 else f"model.max_position_embeddings ({limit}")
+        where += ", within inference.max_model_len)" if cfg.inference.engine == "vllm" else ")"
+        raise ConfigError(f"config key `env.max_new_tokens`: {cfg.env.max_new_tokens} new tokens leave no room for a "
+                          f"prompt in {where}; lower env.max_new_tokens or use a model with a longer context")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")

@@ -32,15 +32,17 @@ def model_dir(cfg, scratch: Path) -> Path:
     return out if (out / "config.json").exists() else models.build(cfg.model, out)
 
 
-def start(cfg, run=None, token: Optional[str] = None) -> Tuple["object", Path]:
+def start(cfg, run=None, token: Optional[str] = None, scratch: Optional[Path] = None) -> Tuple["object", Path]:
     """An engine for the config's model and a started server over it: (server, model folder). With a run directory the
-    server publishes itself there (and the token unless `inference.serve_open`); otherwise it uses `token`."""
-    import tempfile
-
+    server publishes itself there (and the token unless `inference.serve_open`); otherwise it uses `token`, and its
+    files (the model built in code, the engine's caches) go to `scratch`, a folder the caller removes."""
     from rlhpc.infer.engines import make_engine
     from rlhpc.infer.server import publish, shared_token, start_server
 
-    scratch = run.root if run is not None else Path(tempfile.mkdtemp(prefix="rlhpc-serve-"))
+    if run is not None:
+        scratch = run.root
+    elif scratch is None:
+        raise ValueError("start() needs a run directory or a scratch folder")
     path = model_dir(cfg, scratch)
     token_file = None
     if run is not None and not cfg.inference.serve_open:
@@ -58,13 +60,33 @@ def start(cfg, run=None, token: Optional[str] = None) -> Tuple["object", Path]:
     return server, path
 
 
+# Marks a run directory as rlhpc.serve's: serving again there may replace its config.yaml.
+SERVE_MARK = "SERVED"
+
+
+def serve_dir(cfg):
+    """The run directory to serve from: new, empty, or one this command served from before. Any other (a training
+    run's, above all) is refused before anything is written: the server writes its own config.yaml there."""
+    from rlhpc.config import ConfigError
+    from rlhpc.rundir import RunDir
+
+    run = RunDir(Path(cfg.run_dir))
+    if run.root.exists() and not run.root.is_dir():
+        raise ConfigError(f"config key `run_dir`: {run.root} is a file, not a folder")
+    if run.root.exists() and any(run.root.iterdir()) and not (run.root / SERVE_MARK).exists():
+        raise ConfigError(f"config key `run_dir`: {run.root} is not empty and was not served from before (a training "
+                          f"run's folder?); rlhpc.serve writes its config.yaml and rendezvous there: choose another "
+                          f"run_dir (model.path=<run>/checkpoints/final serves a run's model)")
+    return run.make()
+
+
 def main() -> None:
     import hydra
 
     from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
     from rlhpc import config as config_mod
+    from rlhpc import preflight
     from rlhpc.config import CONF_DIR
-    from rlhpc.rundir import RunDir
 
     config_mod.register()
 
@@ -74,11 +96,13 @@ def main() -> None:
         try:
             cfg = config_mod.to_typed(dcfg)
             config_mod.validate(cfg)
+            preflight.check_model(cfg, trainer=False)
+            run = serve_dir(cfg)
         except config_mod.ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-        run = RunDir(Path(cfg.run_dir)).make()
         config_mod.save(cfg, run.config)
+        (run.root / SERVE_MARK).touch()
         server, path = start(cfg, run)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import time
 
 import torch
@@ -25,7 +26,8 @@ def main() -> None:
     from rlhpc.infer.engines.hf import HFEngine
     from rlhpc.infer.rollout import evaluate
     from rlhpc.config import CONF_DIR
-    from rlhpc.preflight import prepare_run_dir
+    from rlhpc import preflight
+    from rlhpc.preflight import RunDirError, prepare_run_dir
     from rlhpc.rundir import RunDir, write_json
     from rlhpc.train.evaluation import heldout_tasks
     from rlhpc.train.warmstart import sft_train
@@ -34,9 +36,14 @@ def main() -> None:
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _run(dcfg) -> None:
-        cfg = config_mod.to_typed(dcfg)
-        config_mod.validate(cfg)
-        run = prepare_run_dir(cfg)
+        try:
+            cfg = config_mod.to_typed(dcfg)
+            config_mod.validate(cfg)
+            preflight.check(cfg)  # the model, the environment and the loss, before the run directory is written
+            run = prepare_run_dir(cfg)
+        except (config_mod.ConfigError, RunDirError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s sft %(levelname)s: %(message)s", force=True)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)

@@ -64,6 +64,57 @@ def test_a_model_path_needs_a_loadable_config_and_tokenizer(tmp_path, model_dir)
         preflight.check_model(cfg_of(tmp_path, model={"path": str(weights_only)}))
 
 
+
+def test_a_model_path_needs_whole_weights(tmp_path, model_dir):
+    """A truncated or foreign weights file, or a shard the index names but the folder lacks, is refused at launch,
+    naming the file: the headers are read, not the tensors."""
+    import shutil
+
+    def copy(name):
+        return Path(shutil.copytree(model_dir, tmp_path / name))
+
+    truncated = copy("truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(ConfigError, match=r"^config key `model.path`: .*truncated/model.safetensors: \d+ bytes, but its "
+                                          r"header says \d+: truncated"):
+        preflight.check_model(cfg_of(tmp_path, model={"path": str(truncated)}))
+    foreign = copy("foreign")
+    (foreign / "model.safetensors").write_bytes(b"<html>proxy login</html>")
+    with pytest.raises(ConfigError, match=r"foreign/model.safetensors: not a safetensors file"):
+        preflight.check_model(cfg_of(tmp_path, model={"path": str(foreign)}))
+    sharded = copy("sharded")
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(ConfigError, match=r"model-00002-of-00002.safetensors: missing \(the checkpoint's index names"):
+        preflight.check_model(cfg_of(tmp_path, model={"path": str(sharded)}))
+    none = copy("none")
+    (none / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"no model.safetensors or model.safetensors.index.json in .*none \(the "
+                                          r"trainer loads safetensors"):
+        preflight.check_model(cfg_of(tmp_path, model={"path": str(none)}))
+    proc = launch(tmp_path, f"model.path={truncated}")  # as the user meets it
+    assert proc.returncode == 2 and "truncated (an interrupted copy?)" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_turn_must_fit_in_the_models_context(tmp_path, model_dir):
+    """env=math asks for 512 new tokens; the model built in code holds 256: refused before anything starts, naming
+    both keys (it used to run and score 0, with a warning in the workers' logs only)."""
+    proc = launch(tmp_path, "env=math", "dry_run=true")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: config key `env.max_new_tokens`: 512 new tokens leave no room for a prompt "
+                                   "in model.max_position_embeddings (256); lower env.max_new_tokens or use a model "
+                                   "with a longer context")
+    assert launch(tmp_path, "env=math", "model.max_position_embeddings=1024", "dry_run=true").returncode == 0
+    with pytest.raises(ConfigError, match=r"^config key `env.max_new_tokens`: 300 new tokens .* the context of "
+                                          r"model.path's config \(256 tokens\)"):
+        preflight.check_context(cfg_of(tmp_path, model={"path": str(model_dir)}, env={"max_new_tokens": 300}))
+    with pytest.raises(ConfigError, match=r"within inference.max_model_len"):
+        preflight.check_context(cfg_of(tmp_path, env={"max_new_tokens": 100},
+                                       inference={"engine": "vllm", "max_model_len": 100}))
+
 class Broken:
     """Stands in for an environment whose constructor fails (a missing data file, say)."""
 

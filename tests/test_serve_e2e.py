@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -62,6 +63,24 @@ def test_a_training_run_serves_the_policy_it_trains_behind_the_run_token(tmp_pat
     assert not list((run_dir / "rendezvous").glob("serve-*.json"))  # a finished run serves nothing
 
 
+
+def test_rlhpc_serve_refuses_a_training_runs_folder_and_writes_nothing_there(tmp_path):
+    """`run_dir=runs/x` beside `model.path=runs/x/checkpoints/final` is an easy slip: the server would write its own
+    config.yaml over the run's."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("exp_name: mine\n")
+    (run_dir / "summary.json").write_text("{}")
+    proc = subprocess.run([sys.executable, "-m", "rlhpc.serve", f"run_dir={run_dir}"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"error: config key `run_dir`: {run_dir} is not empty and was not served from before")
+    assert (run_dir / "config.yaml").read_text() == "exp_name: mine\n"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "summary.json"]
+    bad = subprocess.run([sys.executable, "-m", "rlhpc.eval", "env=reverse_text", "eval.endpoint=http://127.0.0.1:9",
+                          f"model.path={tmp_path / 'nothing'}"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "error: config key `model.path`" in bad.stderr and "Traceback" not in bad.stderr
+
 @pytest.mark.slow
 def test_rlhpc_serve_serves_a_checkpoint_and_rlhpc_eval_scores_it_through_the_endpoints(tmp_path):
     serve_dir = tmp_path / "serve"
@@ -88,8 +107,12 @@ def test_rlhpc_serve_serves_a_checkpoint_and_rlhpc_eval_scores_it_through_the_en
     assert report["mean_reward"] == pytest.approx(
         sum(r for t in report["per_task"] for r in t["rewards"]) / 24)
     # The same checkpoint served in the eval's own process: the same greedy episodes, the same greedy reward.
+    scratch = tmp_path / "tmp"  # the in-process server's files go to the temporary folder, and are removed after
+    scratch.mkdir()
     local = subprocess.run([sys.executable, "-m", "rlhpc.eval", *common, f"model.path={serve_dir / 'base_model'}",
-                            "model.name=tiny_qwen3"], capture_output=True, text=True, timeout=300)
+                            "model.name=tiny_qwen3"], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, TMPDIR=str(scratch)))
     assert local.returncode == 0, local.stderr[-3000:]
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("rlhpc")] == []  # (torch keeps its own caches there)
     here = json.loads(local.stdout)
     assert [t["greedy_reward"] for t in here["per_task"]] == [t["greedy_reward"] for t in report["per_task"]]
