@@ -163,11 +163,17 @@ def main() -> None:
 
     from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
     from rlhpc import config as config_mod
+    from rlhpc import preflight
     from rlhpc.config import CONF_DIR
     from rlhpc.rundir import write_json
 
     # The run's schema with the eval command's keys: a wrong key still fails at composition, naming it.
     ConfigStore.instance().store(name="rlhpc_schema", node=EvalCommandConfig)
+    problem = preflight.composition_error(sys.argv[1:], typed=lambda dcfg: OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(EvalCommandConfig), dcfg)))
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _run(dcfg) -> None:

@@ -16,7 +16,7 @@ from rlhpc import config as config_mod
 from rlhpc import preflight
 from rlhpc.cluster import memory
 from rlhpc.config import CONF_DIR, Config, ConfigError
-from rlhpc.preflight import RunDirError, prepare_run_dir
+from rlhpc.preflight import RunDirError, composition_error, config_key_error, prepare_run_dir
 
 
 def launch(cfg: Config, overrides: Optional[List[str]] = None) -> int:
@@ -48,54 +48,6 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None) -> int:
         raise ConfigError(fit.refusal)
     run = prepare_run_dir(cfg)
     return launcher.start(run)
-
-
-def composition_error(overrides: List[str]) -> Optional[str]:
-    """Composes the config as `main` will, to report a wrong key, value or type as one line naming the key (Hydra's
-    own report spans lines and suggests a stack trace). None when it composes, or when the arguments hold Hydra
-    flags (-m, --cfg, ...), which Hydra handles itself."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    if any(a.startswith("-") for a in overrides):
-        return None
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            config_mod.to_typed(compose(config_name="config",
-                                        overrides=[o for o in overrides if not o.startswith(("hydra.", "hydra/"))]))
-    except Exception as e:  # noqa: BLE001 - any composition error becomes its one-line report
-        return config_key_error(e)
-    finally:
-        GlobalHydra.instance().clear()
-    return None
-
-
-def config_key_error(e: BaseException) -> str:
-    """`config key `a.b`: what is wrong`, from an OmegaConf error anywhere in the chain of `e` (Hydra wraps them)."""
-    from hydra.errors import MissingConfigException
-    from omegaconf.errors import OmegaConfBaseException
-
-    if isinstance(e, MissingConfigException) and e.missing_cfg_file and e.options is not None:
-        group, _, option = e.missing_cfg_file.rpartition("/")
-        return (f"config group `{group}`: no option {option!r} (conf/{group}/ has: {', '.join(e.options)})" if group
-                else preflight.one_line(e))
-    hint = next((line.strip() for line in str(e).splitlines() if line.startswith("To append")), "")
-    chain, seen = [], e
-    while seen is not None and len(chain) < 10:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    for err in chain:
-        key = getattr(err, "full_key", None)
-        if isinstance(err, OmegaConfBaseException) and key:
-            # The message without OmegaConf's trailer (full_key, reference_type, object_type lines).
-            lines = [ln.strip() for ln in str(getattr(err, "msg", None) or err).splitlines()]
-            msg = "; ".join(ln for ln in lines if ln and not ln.startswith(("full_key:", "reference_type", "object_type")))
-            if "is not in struct" in msg and hint:  # a free-form dict (env.args, model.extra) takes new keys with +
-                msg += f" ({hint})"
-            elif "not in '" in msg:
-                msg += " (no such key: rlhpc/config.py lists every key)"
-            return f"config key `{key}`: {msg}"
-    return preflight.one_line(e)
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -183,6 +183,60 @@ def one_line(e: BaseException) -> str:
     return text if text.startswith("config key") else f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+# ---- the command line -----------------------------------------------------------------------------------------------
+
+
+def composition_error(overrides: List[str], typed: Callable[[Any], Any] = config_mod.to_typed) -> Optional[str]:
+    """Composes the config as a command's `main` will (`typed`: its schema's merge; rlhpc.eval adds keys), to report
+    a wrong key, value or type as one line naming the key (Hydra's own report spans lines and suggests a stack
+    trace). None when it composes, or when the arguments hold Hydra flags (-m, --cfg, ...), which Hydra handles
+    itself."""
+    from hydra import compose, initialize_config_dir
+
+    from rlhpc.config import CONF_DIR
+    from hydra.core.global_hydra import GlobalHydra
+
+    if any(a.startswith("-") for a in overrides):
+        return None
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            typed(compose(config_name="config",
+                                        overrides=[o for o in overrides if not o.startswith(("hydra.", "hydra/"))]))
+    except Exception as e:  # noqa: BLE001 - any composition error becomes its one-line report
+        return config_key_error(e)
+    finally:
+        GlobalHydra.instance().clear()
+    return None
+
+
+def config_key_error(e: BaseException) -> str:
+    """`config key `a.b`: what is wrong`, from an OmegaConf error anywhere in the chain of `e` (Hydra wraps them)."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(e, MissingConfigException) and e.missing_cfg_file and e.options is not None:
+        group, _, option = e.missing_cfg_file.rpartition("/")
+        return (f"config group `{group}`: no option {option!r} (conf/{group}/ has: {', '.join(e.options)})" if group
+                else one_line(e))
+    hint = next((line.strip() for line in str(e).splitlines() if line.startswith("To append")), "")
+    chain, seen = [], e
+    while seen is not None and len(chain) < 10:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    for err in chain:
+        key = getattr(err, "full_key", None)
+        if isinstance(err, OmegaConfBaseException) and key:
+            # The message without OmegaConf's trailer (full_key, reference_type, object_type lines).
+            lines = [ln.strip() for ln in str(getattr(err, "msg", None) or err).splitlines()]
+            msg = "; ".join(ln for ln in lines if ln and not ln.startswith(("full_key:", "reference_type", "object_type")))
+            if "is not in struct" in msg and hint:  # a free-form dict (env.args, model.extra) takes new keys with +
+                msg += f" ({hint})"
+            elif "not in '" in msg:
+                msg += " (no such key: rlhpc/config.py lists every key)"
+            return f"config key `{key}`: {msg}"
+    return one_line(e)
+
+
 # ---- relaunching an unfinished run ------------------------------------------------------------------------------------
 
 # Keys that may change between launches of one run without changing what it trains: where and how it runs, how long,
@@ -248,6 +302,8 @@ def prepare_run_dir(cfg: Config) -> RunDir:
     `overwrite=true`; a directory of an unfinished run is resumed, but refused if its saved config differs in a key that
     changes training, unless `resume.allow_config_change=true`."""
     run = RunDir(Path(cfg.run_dir))
+    if run.root.exists() and not run.root.is_dir():
+        raise RunDirError(f"run_dir={run.root} is a file, not a folder; choose another run_dir")
     if run.summary.exists() or run.done.exists():
         if not cfg.overwrite:
             raise RunDirError(
@@ -259,7 +315,10 @@ def prepare_run_dir(cfg: Config) -> RunDir:
         raise RunDirError(f"run_dir={run.root} is not empty and is not an rlhpc run directory; choose another run_dir")
     elif run.config.exists():
         check_resume(run, cfg)
-    run.make()
+    try:
+        run.make()
+    except OSError as e:
+        raise RunDirError(f"run_dir={run.root} cannot be created: {one_line(e)}; choose another run_dir") from None
     for stale in (run.failed,):
         stale.unlink(missing_ok=True)
     config_mod.save(cfg, run.config)
@@ -273,6 +332,12 @@ def check_resume(run: RunDir, cfg: Config) -> None:
 
     if not ((run.model / "READY").exists() or (run.checkpoints / "latest.json").exists()):
         return  # nothing trained yet: a relaunch after a failed start may change anything
+    if (run.model / "READY").exists():  # the warm-started model every role of the resumed run loads
+        try:
+            check_weights(run.model)
+        except ConfigError as e:
+            raise RunDirError(f"run_dir={run.root}: its warm-started model is damaged ({str(e).split(': ', 1)[1]}); "
+                              f"delete {run.model} to warm-start again, or choose another run_dir") from None
     try:
         saved = OmegaConf.load(run.config)
     except Exception as e:  # noqa: BLE001

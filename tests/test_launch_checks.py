@@ -47,6 +47,22 @@ def test_a_bad_value_is_one_line_naming_the_key_and_nothing_starts(tmp_path, ove
     assert not (tmp_path / "run").exists()
 
 
+
+@pytest.mark.parametrize("command, override, message", [
+    ("rlhpc.sft", "trainer.stepz=1", "error: config key `trainer.stepz`: Key 'stepz' not in 'TrainerConfig'"),
+    ("rlhpc.sft", "async_level=-1", "error: config key `async_level`: must be >= 0"),
+    ("rlhpc.serve", "env=nope", "error: config group `env`: no option 'nope'"),
+    ("rlhpc.eval", "eval.kk=3", "error: config key `eval.kk`: Key 'kk' not in 'EvalCommandKeys'"),
+    ("rlhpc.eval", "model.path=/does/not/exist", "error: config key `model.path`: /does/not/exist is not a folder"),
+])
+def test_the_other_commands_report_a_bad_value_in_one_line_too(tmp_path, command, override, message):
+    proc = subprocess.run([sys.executable, "-m", command, f"run_dir={tmp_path / 'run'}", override],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
+    assert not (tmp_path / "run").exists()
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return models.build(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1), tmp_path_factory.mktemp("m"))
@@ -146,9 +162,26 @@ def trained_run(tmp_path, **sections):
     """An unfinished run directory that has trained: its config saved, its warm-started model READY."""
     cfg = cfg_of(tmp_path, **sections)
     run = prepare_run_dir(cfg)
-    run.model.mkdir(parents=True)
+    models.build(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1), run.model)
     (run.model / "READY").write_text("{}")
     return run
+
+
+def test_a_damaged_warm_started_model_is_named_before_a_resumed_run_starts(tmp_path):
+    run = trained_run(tmp_path)
+    data = (run.model / "model.safetensors").read_bytes()
+    (run.model / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(RunDirError, match=r"its warm-started model is damaged \(.*model.safetensors: \d+ bytes, but its "
+                                          r"header says \d+: truncated .*\); delete .*model to warm-start again"):
+        prepare_run_dir(cfg_of(tmp_path))
+
+
+def test_a_run_dir_that_is_a_file_or_cannot_be_created_is_named(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(RunDirError, match=r"afile is a file, not a folder"):
+        prepare_run_dir(config_mod.to_typed({"run_dir": str(tmp_path / "afile")}))
+    with pytest.raises(RunDirError, match=r"cannot be created: .*choose another run_dir"):
+        prepare_run_dir(config_mod.to_typed({"run_dir": str(tmp_path / "afile" / "run")}))
 
 
 def test_an_unfinished_run_is_not_resumed_with_a_config_that_trains_differently(tmp_path):

@@ -7,6 +7,8 @@ carries no learning signal and is dropped before publishing. docs/algorithms.md 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlhpc.config import AlgoConfig
@@ -65,4 +67,4 @@ def check(cfg: AlgoConfig) -> None:
     need(cfg.baseline in BASELINES, "baseline", f"{cfg.baseline!r} is not one of {', '.join(BASELINES)}")
     buffer = cfg.overlong_buffer
     need(0 <= buffer <= 1, "overlong_buffer", f"is a fraction of env.max_new_tokens, in [0, 1] (got {buffer})")
-    need(cfg.length_penalty >= 0, "length_penalty", f"must be >= 0 (got {cfg.length_penalty})")
+    need(0 <= cfg.length_penalty < math.inf, "length_penalty", f"must be finite and >= 0 (got {cfg.length_penalty})")

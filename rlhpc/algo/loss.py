@@ -284,5 +284,7 @@ def check(cfg: AlgoConfig) -> None:
     need(0 <= cfg.clip_low <= 1, "clip_low", f"must be in [0, 1] (got {cfg.clip_low})")
     need(cfg.clip_high >= 0, "clip_high", f"must be >= 0 (got {cfg.clip_high})")
     need(cfg.aipo_delta > 0, "aipo_delta", f"must be > 0 (got {cfg.aipo_delta})")
-    need(cfg.ref_kl_coef >= 0, "ref_kl_coef", f"must be >= 0 (got {cfg.ref_kl_coef})")
-    need(cfg.inference_kl_coef >= 0, "inference_kl_coef", f"must be >= 0 (got {cfg.inference_kl_coef})")
+    # Coefficients multiply every token's term: an infinite one makes every step's loss non-finite.
+    need(0 <= cfg.ref_kl_coef < math.inf, "ref_kl_coef", f"must be finite and >= 0 (got {cfg.ref_kl_coef})")
+    need(0 <= cfg.inference_kl_coef < math.inf, "inference_kl_coef",
+         f"must be finite and >= 0 (got {cfg.inference_kl_coef})")
