@@ -26,9 +26,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# The first line the local launcher writes into a role's log when it starts the process: a log is appended to over the
+# attempts and restarts of a run, and a tail starts after the last such line (the process that just ended), not
+# among an earlier attempt's last words.
+LOG_START = "==== rlhpc: started"
+
+
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
-    """The last `lines` lines of a log file, or a note that it does not exist."""
+    """The last `lines` lines of a log file since the last LOG_START line, or a note that it does not exist."""
     try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+        text = Path(path).read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return f"({path} does not exist)"
+    starts = [i for i, line in enumerate(text) if line.startswith(LOG_START)]
+    return "\n".join(text[starts[-1] if starts else 0:][-lines:])

@@ -72,12 +72,29 @@ def test_a_trainer_killed_by_a_signal_is_named_as_the_cause_not_the_worker_that_
     _, err = p.communicate(timeout=120)
     assert p.returncode == 1
     assert "trainer-0 exited with code -9; ending the others" in err
+    assert (run_dir / "logs" / "trainer-0.log").read_text().startswith("==== rlhpc: started trainer-0 at ")
     failed = json.loads((run_dir / "status" / "FAILED").read_text())
     assert (failed["role"], failed["rank"]) == ("trainer", 0) and "SIGKILL" in failed["error"]
     status = subprocess.run([sys.executable, "-m", "rlhpc.status", str(run_dir), "--no-slurm"], capture_output=True,
                             text=True, timeout=60)
     assert "trainer rank 0" in status.stdout and "SIGKILL" in status.stdout, status.stdout
     assert rlhpc_processes(run_dir) == []
+
+
+def test_a_logs_tail_shows_the_process_that_ended_not_an_earlier_attempts_last_words(tmp_path):
+    """Role logs are appended to over a run's launches and restarts; the launcher marks each start (LOG_START) and
+    the tails it, rlhpc.status and the Slurm report show begin after the last mark."""
+    from rlhpc.procs import LOG_START, tail
+
+    log = tmp_path / "inference-1.log"
+    log.write_text(f"{LOG_START} inference-1 at 2026-12-05 10:00:00 (launch 1-2)\nRuntimeError: weights group failed\n"
+                   f"{LOG_START} inference-1 at 2026-12-05 10:05:00 (launch 3-4)\nloading\nSafetensorError: bad\n")
+    assert tail(log).splitlines() == [f"{LOG_START} inference-1 at 2026-12-05 10:05:00 (launch 3-4)", "loading",
+                                      "SafetensorError: bad"]
+    assert tail(log, 1) == "SafetensorError: bad"
+    unmarked = tmp_path / "slurm.out"  # a log no launcher marked (a Slurm job's output): its plain tail
+    unmarked.write_text("a\nb\nc\n")
+    assert tail(unmarked, 2) == "b\nc"
 
 @pytest.mark.slow
 def test_sigint_ends_every_process_the_launcher_started(tmp_path):

@@ -18,7 +18,7 @@ from typing import IO, List
 
 from rlhpc.config import Config
 from rlhpc.infer.engines.disagg import describe as disagg_describe
-from rlhpc.procs import free_port, tail
+from rlhpc.procs import LOG_START, free_port, tail
 from rlhpc.rundir import RunDir, read_json, write_json
 
 
@@ -88,6 +88,10 @@ class LocalLauncher:
             **local_gpus(self.cfg, role, rank), **self.env, **extra_env,
         )
         log = open(run.log_file(role, rank), "ab")
+        restart = extra_env.get("RLHPC_RESTART")
+        log.write(f"{LOG_START} {role}-{rank} at {time.strftime('%Y-%m-%d %H:%M:%S')} (launch {self.attempt}"
+                  f"{f', restart {restart}' if restart else ''})\n".encode())
+        log.flush()
         popen = subprocess.Popen(
             [sys.executable, "-m", "rlhpc.role"], env=env, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,  # its own process group, ended as one
