@@ -169,11 +169,8 @@ def main() -> None:
 
     # The run's schema with the eval command's keys: a wrong key still fails at composition, naming it.
     ConfigStore.instance().store(name="rlhpc_schema", node=EvalCommandConfig)
-    problem = preflight.composition_error(sys.argv[1:], typed=lambda dcfg: OmegaConf.to_object(
+    preflight.exit_on_composition_error(sys.argv[1:], typed=lambda dcfg: OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(EvalCommandConfig), dcfg)))
-    if problem is not None:
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _run(dcfg) -> None:

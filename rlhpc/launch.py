@@ -16,7 +16,7 @@ from rlhpc import config as config_mod
 from rlhpc import preflight
 from rlhpc.cluster import memory
 from rlhpc.config import CONF_DIR, Config, ConfigError
-from rlhpc.preflight import RunDirError, composition_error, config_key_error, prepare_run_dir
+from rlhpc.preflight import RunDirError, config_key_error, prepare_run_dir
 
 
 def launch(cfg: Config, overrides: Optional[List[str]] = None) -> int:
@@ -54,10 +54,7 @@ def main() -> None:
     import hydra
 
     config_mod.register()
-    problem = composition_error(sys.argv[1:])
-    if problem is not None:
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
+    preflight.exit_on_composition_error(sys.argv[1:])
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _main(dcfg) -> None:

@@ -69,51 +69,45 @@ def check_model(cfg: Config, trainer: bool = True) -> None:
 
 
 def check_weights(folder: Path, safetensors_only: bool = True) -> None:
-    """The checkpoint's weights are there and whole, from the safetensors headers alone (8 bytes and a JSON header a
-    file; the tensors are not read): a sharded checkpoint's index names files that exist, each file's header parses,
-    and its tensors end where the file ends, so a truncated or foreign file fails here, naming it, rather than in a
-    role after the job started. The trainer reads safetensors only (rlhpc/train/loading.py); serving and evaluation
-    (`safetensors_only=False`) also accept PyTorch .bin weights, which are not checked."""
+    """Raises ConfigError naming `model.path` and the file when the checkpoint's weights are not whole
+    (`weights_problem`)."""
+    problem = weights_problem(folder, safetensors_only)
+    if problem:
+        raise ConfigError(f"config key `model.path`: {problem}")
+
+
+def weights_problem(folder: Path, safetensors_only: bool = True) -> str | None:
+    """Why the checkpoint's weights in `folder` are not there or not whole, or None. Each safetensors file is opened
+    as the roles open it (safe_open: its header parsed and checked against the file's size; the tensors are not read),
+    and a sharded checkpoint's index must name files that exist: a truncated copy, or an HTML page saved as a shard,
+    fails here, naming the file, rather than in a role after the job started. The trainer reads safetensors only
+    (rlhpc/train/loading.py); serving and evaluation (`safetensors_only=False`) also accept PyTorch .bin weights, which
+    are not checked."""
+    from safetensors import safe_open
+
     index = folder / "model.safetensors.index.json"
     if index.exists():
         try:
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is not an index
-            raise ConfigError(f"config key `model.path`: {index} is not a safetensors index: {one_line(e)}") from None
+            return f"{index} is not a safetensors index: {one_line(e)}"
     elif (folder / "model.safetensors").exists():
         files = ["model.safetensors"]
     elif not safetensors_only and any(folder.glob("pytorch_model*.bin")):
-        return
+        return None
     else:
-        raise ConfigError(f"config key `model.path`: no model.safetensors or model.safetensors.index.json in {folder}"
-                          + (" (the trainer loads safetensors checkpoints; convert others with save_pretrained)"
-                             if safetensors_only else ""))
+        return (f"no model.safetensors or model.safetensors.index.json in {folder}"
+                + (" (the trainer loads safetensors checkpoints; convert others with save_pretrained)"
+                   if safetensors_only else ""))
     for name in files:
-        problem = _safetensors_problem(folder / name)
-        if problem:
-            raise ConfigError(f"config key `model.path`: {folder / name}: {problem}")
-
-
-def _safetensors_problem(path: Path) -> str | None:
-    """Why the safetensors file `path` cannot be whole, or None: read from its header and its size."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if size < 8 or not 0 < n <= min(size - 8, 100 << 20):
-                return f"not a safetensors file (header length {n}, file size {size} bytes)"
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        return "missing (the checkpoint's index names it)"
-    except (OSError, ValueError) as e:
-        return f"unreadable safetensors header: {one_line(e)}"
-    if not isinstance(header, dict):
-        return "not a safetensors header"
-    ends = [v.get("data_offsets", [0, 0])[1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
-    end = 8 + n + max((e for e in ends if isinstance(e, int)), default=0)
-    if end != size:
-        return (f"{size} bytes, but its header says {end}: " + ("truncated (an interrupted copy?)" if end > size
-                                                                else "trailing bytes after its tensors"))
+        path = folder / name
+        if not path.exists():
+            return f"{path}: missing (the checkpoint's index names it)"
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - SafetensorError and whatever else a foreign file makes it raise
+            return f"{path}: not a whole safetensors file (an interrupted copy?): {one_line(e)}"
     return None
 
 
@@ -192,21 +186,28 @@ def composition_error(overrides: List[str], typed: Callable[[Any], Any] = config
     trace). None when it composes, or when the arguments hold Hydra flags (-m, --cfg, ...), which Hydra handles
     itself."""
     from hydra import compose, initialize_config_dir
-
-    from rlhpc.config import CONF_DIR
     from hydra.core.global_hydra import GlobalHydra
 
     if any(a.startswith("-") for a in overrides):
         return None
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        with initialize_config_dir(config_dir=str(config_mod.CONF_DIR), version_base=None):
             typed(compose(config_name="config",
-                                        overrides=[o for o in overrides if not o.startswith(("hydra.", "hydra/"))]))
+                          overrides=[o for o in overrides if not o.startswith(("hydra.", "hydra/"))]))
     except Exception as e:  # noqa: BLE001 - any composition error becomes its one-line report
         return config_key_error(e)
     finally:
         GlobalHydra.instance().clear()
     return None
+
+
+def exit_on_composition_error(overrides: List[str], typed: Callable[[Any], Any] = config_mod.to_typed) -> None:
+    """What every command does before Hydra's own start: a command line that does not compose ends here, in one line
+    (`composition_error`), with exit code 2."""
+    problem = composition_error(overrides, typed)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
 
 
 def config_key_error(e: BaseException) -> str:
@@ -332,12 +333,10 @@ def check_resume(run: RunDir, cfg: Config) -> None:
 
     if not ((run.model / "READY").exists() or (run.checkpoints / "latest.json").exists()):
         return  # nothing trained yet: a relaunch after a failed start may change anything
-    if (run.model / "READY").exists():  # the warm-started model every role of the resumed run loads
-        try:
-            check_weights(run.model)
-        except ConfigError as e:
-            raise RunDirError(f"run_dir={run.root}: its warm-started model is damaged ({str(e).split(': ', 1)[1]}); "
-                              f"delete {run.model} to warm-start again, or choose another run_dir") from None
+    damaged = weights_problem(run.model) if (run.model / "READY").exists() else None  # every role resumes from it
+    if damaged:
+        raise RunDirError(f"run_dir={run.root}: its warm-started model is damaged ({damaged}); delete {run.model} to "
+                          f"warm-start again, or choose another run_dir")
     try:
         saved = OmegaConf.load(run.config)
     except Exception as e:  # noqa: BLE001

@@ -33,10 +33,7 @@ def main() -> None:
     from rlhpc.train.warmstart import sft_train
 
     config_mod.register()
-    problem = preflight.composition_error(sys.argv[1:])
-    if problem is not None:
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
+    preflight.exit_on_composition_error(sys.argv[1:])
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _run(dcfg) -> None:

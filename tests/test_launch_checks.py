@@ -39,13 +39,16 @@ def launch(tmp_path, *overrides, env=None):
     ("env.name=nope", "error: config key `env.name`: no environment 'nope'"),
 ])
 def test_a_bad_value_is_one_line_naming_the_key_and_nothing_starts(tmp_path, override, message):
-    proc = launch(tmp_path, override)
+    refused_in_one_line(launch(tmp_path, override), message, tmp_path)
+
+
+def refused_in_one_line(proc, message, tmp_path):
+    """Exit code 2, one line on stderr that starts with `message`, no traceback, and no run directory written."""
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
     assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
     assert not (tmp_path / "run").exists()
-
 
 
 @pytest.mark.parametrize("command, override, message", [
@@ -58,10 +61,7 @@ def test_a_bad_value_is_one_line_naming_the_key_and_nothing_starts(tmp_path, ove
 def test_the_other_commands_report_a_bad_value_in_one_line_too(tmp_path, command, override, message):
     proc = subprocess.run([sys.executable, "-m", command, f"run_dir={tmp_path / 'run'}", override],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
-    assert not (tmp_path / "run").exists()
+    refused_in_one_line(proc, message, tmp_path)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -92,12 +92,12 @@ def test_a_model_path_needs_whole_weights(tmp_path, model_dir):
     truncated = copy("truncated")
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[:-100])
-    with pytest.raises(ConfigError, match=r"^config key `model.path`: .*truncated/model.safetensors: \d+ bytes, but its "
-                                          r"header says \d+: truncated"):
+    with pytest.raises(ConfigError, match=r"^config key `model.path`: .*truncated/model.safetensors: not a whole "
+                                          r"safetensors file \(an interrupted copy\?\): SafetensorError: .*incomplete"):
         preflight.check_model(cfg_of(tmp_path, model={"path": str(truncated)}))
     foreign = copy("foreign")
     (foreign / "model.safetensors").write_bytes(b"<html>proxy login</html>")
-    with pytest.raises(ConfigError, match=r"foreign/model.safetensors: not a safetensors file"):
+    with pytest.raises(ConfigError, match=r"foreign/model.safetensors: not a whole safetensors file .*SafetensorError"):
         preflight.check_model(cfg_of(tmp_path, model={"path": str(foreign)}))
     sharded = copy("sharded")
     (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
@@ -111,8 +111,7 @@ def test_a_model_path_needs_whole_weights(tmp_path, model_dir):
                                           r"trainer loads safetensors"):
         preflight.check_model(cfg_of(tmp_path, model={"path": str(none)}))
     proc = launch(tmp_path, f"model.path={truncated}")  # as the user meets it
-    assert proc.returncode == 2 and "truncated (an interrupted copy?)" in proc.stderr and "Traceback" not in proc.stderr
-    assert not (tmp_path / "run").exists()
+    refused_in_one_line(proc, f"error: config key `model.path`: {truncated / 'model.safetensors'}: not a whole", tmp_path)
 
 
 def test_a_turn_must_fit_in_the_models_context(tmp_path, model_dir):
@@ -171,8 +170,8 @@ def test_a_damaged_warm_started_model_is_named_before_a_resumed_run_starts(tmp_p
     run = trained_run(tmp_path)
     data = (run.model / "model.safetensors").read_bytes()
     (run.model / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(RunDirError, match=r"its warm-started model is damaged \(.*model.safetensors: \d+ bytes, but its "
-                                          r"header says \d+: truncated .*\); delete .*model to warm-start again"):
+    with pytest.raises(RunDirError, match=r"its warm-started model is damaged \(.*model/model.safetensors: not a whole "
+                                          r"safetensors file .*\); delete .*model to warm-start again"):
         prepare_run_dir(cfg_of(tmp_path))
 
 
