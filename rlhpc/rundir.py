@@ -50,25 +50,28 @@ def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def read_json_object(path: Path, problems: Dict[Path, str], numbers: Sequence[str] = ()) -> Optional[Dict[str, Any]]:
-    """For readers that must not stop at one bad file (rlhpc.status, rlhpc.plots: they run while the roles write, and
-    not every writer is atomic, nor every filesystem): the JSON object in `path`, or None. A missing file is None
-    silently (not written yet); one that does not parse, is not an object, or whose `numbers` fields are not numbers is
-    None with the reason in `problems[path]`. (`read_json`, for the roles, lets a bad file raise.)"""
+def read_json_object(path: Path, problems: Optional[Dict[Path, str]] = None,
+                     numbers: Sequence[str] = ()) -> Optional[Dict[str, Any]]:
+    """The JSON object in `path`, or None if the file is missing (not written yet). A file that does not parse, is not
+    an object, or whose `numbers` fields are not numbers raises ValueError naming it; with `problems`, for readers that
+    must not stop at one bad file (rlhpc.status, rlhpc.plots: they run while the roles write, and a foreign hand or a
+    power loss can leave one damaged), it is None instead, with the reason in `problems[path]`."""
+    def bad(why: str) -> None:
+        if problems is None:
+            raise ValueError(f"{path}: {why}")
+        problems[path] = why
+
     try:
         value = json.loads(path.read_bytes())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
-        problems[path] = f"{type(e).__name__}: {e}"
-        return None
+        return bad(f"{type(e).__name__}: {e}")
     if not isinstance(value, dict):
-        problems[path] = f"holds a JSON {type(value).__name__}, not an object"
-        return None
+        return bad(f"holds a JSON {type(value).__name__}, not an object")
     wrong = [k for k in numbers if not is_number(value.get(k))]
     if wrong:
-        problems[path] = f"{', '.join(wrong)}: not a number"
-        return None
+        return bad(f"{', '.join(wrong)}: not a number")
     return value
 
 
@@ -173,9 +176,10 @@ class RunDir:
         info = read_json(self.failed)
         return f"{info['role']} rank {info['rank']} failed: {info['error']}" if info else None
 
-    def failure_report(self) -> Optional[Dict[str, Any]]:
-        """Which role failed first (status/FAILED, written by the role itself), why, and the end of its log."""
-        info = read_json(self.failed)
+    def failure_report(self, problems: Optional[Dict[Path, str]] = None) -> Optional[Dict[str, Any]]:
+        """Which role failed first (status/FAILED, written by the role itself), why, and the end of its log
+        (`problems`: as read_json_object)."""
+        info = read_json_object(self.failed, problems)
         if not info:
             return None
         log = self.log_file(info.get("role", "?"), info.get("rank", 0))
@@ -194,10 +198,11 @@ class RunDir:
         info.update(fields, time=time.time())
         write_json(self.status / f"{role}-{rank}.json", info, durable=False)
 
-    def heartbeats(self) -> Dict[str, Dict[str, Any]]:
+    def heartbeats(self, problems: Optional[Dict[Path, str]] = None) -> Dict[str, Dict[str, Any]]:
+        """Every role's last heartbeat (status/<role>-<rank>.json) by name (`problems`: as read_json_object)."""
         out = {}
         for p in sorted(self.status.glob("*-*.json")):
-            info = read_json(p)
+            info = read_json_object(p, problems, ("time",))
             if info:
                 out[p.stem] = info
         return out

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from rlhpc.metrics import bottleneck, busy_by_process
-from rlhpc.procs import tail
 from rlhpc.rundir import RunDir, is_number, read_json_object
-from rlhpc.train.evaluation import evals_dir
+from rlhpc.train.evaluation import read_curve
 
 # The files the status could not read -> why (rlhpc.rundir.read_json_object); shown by their path in the run directory.
 Unreadable = Dict[Path, str]
@@ -79,9 +78,9 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
     else:
         out["state"] = "running or not started"
 
-    from rlhpc.cluster.slurm_jobs import jobs_file
+    from rlhpc.cluster.slurm_jobs import recorded_jobs
 
-    jobs = _jobs(run, jobs_file(run), bad)
+    jobs = recorded_jobs(run, bad)
     out["jobs"] = []
     for entry in jobs:
         job: Dict[str, Any] = {"job_id": entry["job_id"], "name": entry.get("name", ""),
@@ -96,8 +95,7 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
         out["jobs"].append(job)
 
     rows = _metrics_tail(run.logs / "trainer-0.metrics.jsonl", run=run, bad=bad)
-    # Every role's heartbeat, status/<role>-<rank>.json (rlhpc.rundir.RunDir.heartbeats, read here by _read).
-    heartbeats = {p.stem: info for p in sorted(run.status.glob("*-*.json")) if (info := read_json_object(p, bad, ("time",)))}
+    heartbeats = run.heartbeats(bad)
     hb = heartbeats.get("trainer-0", {})
     trainer: Dict[str, Any] = {}
     if hb.get("phase") == "sft":
@@ -112,9 +110,7 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
         if row:
             trainer[name] = row[key]
             trainer[f"{name}_step"] = row["step"]
-    # run_dir/evals/ (rlhpc.train.evaluation.read_curve): the held-out reward of version v is that after step v.
-    curve = sorted((r["version"], r["reward"]) for r in (read_json_object(p, bad, ("version", "reward"))
-                                                         for p in sorted(evals_dir(run).glob("v*.json"))) if r)
+    curve = read_curve(run, bad)  # run_dir/evals/: the held-out reward of version v is that after step v
     if curve:
         trainer["heldout_reward_step"], trainer["heldout_reward"] = curve[-1]
     if not trainer.get("steps"):
@@ -139,30 +135,15 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
     out["busy"] = busy_by_process(run, rows_of=lambda path: _metrics_tail(path, 64 << 10, run=run, bad=bad))
     # Workers serving the policy over HTTP (inference.serve=true): rendezvous/serve-<rank>.json.
     out["endpoints"] = [e for e in (read_json_object(p, bad) for p in sorted(run.rendezvous.glob("serve-*.json"))) if e]
-    # Which role failed first (status/FAILED, written by the role itself), why, and the end of its log
-    # (rlhpc.rundir.RunDir.failure_report, read here by _read).
-    fail = read_json_object(run.failed, bad)
+    fail = run.failure_report(bad)
     if fail:
-        log = run.log_file(fail.get("role", "?"), fail.get("rank", 0))
-        out["failure"] = {**fail, "log": str(log), "log_tail": tail(log)}
+        out["failure"] = fail
     summary = read_json_object(run.summary, bad)
     if summary:
         out["summary"] = {k: summary.get(k) for k in ("heldout_reward_base", "heldout_reward_sft", "heldout_reward_rl",
                                                      "rl_steps", "wall_time_s") if k in summary}
     out["unreadable"] = {_in_run(run, p): why for p, why in sorted(bad.items())}
     return out
-
-
-def _jobs(run: RunDir, path: Path, bad: Unreadable) -> List[Dict[str, Any]]:
-    """The Slurm jobs recorded in jobs.json (rlhpc.cluster.slurm_jobs.recorded_jobs, read here by _read)."""
-    record = read_json_object(path, bad)
-    if record is None:
-        return []
-    jobs = record.get("jobs")
-    if not isinstance(jobs, list) or not all(isinstance(j, dict) and "job_id" in j for j in jobs):
-        bad[path] = "no list of jobs with a job_id each"
-        return []
-    return jobs
 
 
 def _config_steps(run: RunDir) -> Optional[int]:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from rlhpc.cluster.slurm_identity import ROLES
-from rlhpc.rundir import RunDir, read_json, write_json
+from rlhpc.rundir import RunDir, read_json, read_json_object, write_json
 
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
          "DEADLINE", "REVOKED", "GONE")
@@ -143,5 +144,13 @@ def record_job(run: RunDir, entry: Dict[str, Any]) -> None:
     write_json(jobs_file(run), data)
 
 
-def recorded_jobs(run: RunDir) -> List[Dict[str, Any]]:
-    return (read_json(jobs_file(run)) or {"jobs": []})["jobs"]
+def recorded_jobs(run: RunDir, problems: Optional[Dict[Path, str]] = None) -> List[Dict[str, Any]]:
+    """The Slurm jobs of the run (jobs.json; `problems`: as rlhpc.rundir.read_json_object)."""
+    path = jobs_file(run)
+    jobs = (read_json_object(path, problems) or {"jobs": []}).get("jobs")
+    if isinstance(jobs, list) and all(isinstance(j, dict) and "job_id" in j for j in jobs):
+        return jobs
+    if problems is None:
+        raise ValueError(f"{path}: no list of jobs with a job_id each")
+    problems[path] = "no list of jobs with a job_id each"
+    return []

@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from rlhpc.rundir import RunDir, read_json, write_json
+from rlhpc.rundir import RunDir, read_json_object, write_json
 
 if TYPE_CHECKING:
     from rlhpc.config import Config
@@ -60,9 +60,9 @@ def write_result(run: RunDir, version: int, reward: float, tasks: int) -> None:
     write_json(result_path(run, version), {"version": version, "reward": reward, "time": time.time(), "tasks": tasks})
 
 
-def read_curve(run: RunDir) -> Curve:
-    """Every evaluation recorded so far, in version order."""
-    rows = (read_json(p) for p in sorted(evals_dir(run).glob("v*.json")))
+def read_curve(run: RunDir, problems: Optional[Dict[Path, str]] = None) -> Curve:
+    """Every evaluation recorded so far, in version order (`problems`: as rlhpc.rundir.read_json_object)."""
+    rows = (read_json_object(p, problems, ("version", "reward")) for p in sorted(evals_dir(run).glob("v*.json")))
     return sorted((r["version"], r["reward"]) for r in rows if r)
 
 
