@@ -6,9 +6,12 @@ same loading path as a real checkpoint.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Set
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
@@ -69,10 +72,66 @@ def _arch_config(cfg: ModelConfig, vocab_size: int, tokenizer: PreTrainedTokeniz
         bos_token_id=None,
     )
     keys.update(cfg.extra)
+    from transformers import CONFIG_MAPPING
+
+    if cfg.arch not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(cfg.arch, list(CONFIG_MAPPING.keys()), n=3)
+        raise ValueError(f"config key `model.arch`: {cfg.arch!r} is not a transformers model type"
+                         + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""))
+    return AutoConfig.for_model(cfg.arch, **keys)
+
+
+# A model built in code is also run on a few tokens by `built_model_problem` when it has at most this many parameters
+# (a larger one is only constructed, on the meta device: building it would take seconds).
+_RUN_CHECK_PARAMS = 50_000_000
+
+
+def built_model_problem(cfg: ModelConfig) -> Optional[str]:
+    """Why the model that `cfg` builds in code (no `model.path`) cannot work, naming the key; None if it builds and
+    runs. Every key of `model.extra` must be a setting of `model.arch`'s transformers config: transformers keeps an
+    unknown key without a word, so a misspelt `num_expert` would quietly build a dense model. The model is then built
+    on the meta device and, when small, for real and run on a few tokens: sizes that do not fit together (a head_dim
+    that rotary embeddings cannot split, say) fail here, before any role starts, instead of in every role."""
+    tokenizer = build_tokenizer(cfg.tokenizer_merges, cfg.tokenizer_added_tokens, cfg.tokenizer_corpus)
     try:
-        return AutoConfig.for_model(cfg.arch, **keys)
+        hf_config = _arch_config(cfg, len(tokenizer), tokenizer)
     except ValueError as e:
-        raise ValueError(f"config key `model.arch`: {cfg.arch!r} is not a transformers model type ({e})") from e
+        return str(e) if str(e).startswith("config key") else f"config key `model.extra`: {type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - a value of the wrong type that the config class rejects
+        return f"config key `model.extra`: {type(e).__name__}: {e}"
+    known, built = config_settings(type(hf_config)), hf_config.to_dict()
+    for key in sorted(set(cfg.extra) - known):
+        # A legacy key the config converts (rope_theta goes into rope_parameters) changes more than itself.
+        without = _arch_config(replace(cfg, extra={k: v for k, v in cfg.extra.items() if k != key}), len(tokenizer),
+                               tokenizer).to_dict()
+        if any(without.get(k) != built.get(k) for k in set(built) | set(without) if k != key):
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=2, cutoff=0.7)
+        hint = f" (did you mean {' or '.join(f'`model.extra.{c}`' for c in close)}?)" if close else ""
+        return (f"config key `model.extra.{key}`: not a setting of transformers' {cfg.arch} config, which would "
+                f"ignore it{hint}")
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+        if sum(p.numel() for p in model.parameters()) <= _RUN_CHECK_PARAMS:
+            with torch.random.fork_rng():
+                model = AutoModelForCausalLM.from_config(hf_config)
+            n = min(8, cfg.max_position_embeddings)
+            with torch.no_grad():
+                model(torch.arange(n).unsqueeze(0) % hf_config.vocab_size)
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises, its message is what the user needs
+        text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        return (f"config key `model`: the {cfg.arch} model built from model.*'s sizes and model.extra does not run: "
+                f"{type(e).__name__}: {text}")
+    return None
+
+
+def config_settings(cls: type) -> Set[str]:
+    """The settings a transformers config class knows: its constructor's arguments, its defaults' keys and its
+    aliases (attribute_map)."""
+    params = {n for n, p in inspect.signature(cls.__init__).parameters.items()
+              if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "self"}
+    return params | set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}))
 
 
 def build(cfg: ModelConfig, out_dir: Path) -> Path:

@@ -27,8 +27,8 @@ from rlhpc.rundir import RunDir
 
 def check(cfg: Config, model: bool = True) -> None:
     """Raises ConfigError naming the key of the first thing that cannot work. `model=False` skips `model.path` (a dry
-    run may plan for a checkpoint that only the cluster's filesystem holds)."""
-    if model:
+    run may plan for a checkpoint that only the cluster's filesystem holds); a model built in code is always checked."""
+    if model or not cfg.model.path:
         check_model(cfg)
     check_context(cfg)
     check_env(cfg)
@@ -37,17 +37,21 @@ def check(cfg: Config, model: bool = True) -> None:
 
 def check_model(cfg: Config, trainer: bool = True) -> None:
     """`model.path` (when set) holds a config and a tokenizer that load and belong together, and whole weights
-    (`check_weights`); `trainer=False` (serving, evaluation) also accepts weights other than safetensors."""
+    (`check_weights`); `trainer=False` (serving, evaluation) also accepts weights other than safetensors. Without
+    `model.path`, the model built in code builds and runs (rlhpc.models.built_model_problem)."""
+    from rlhpc import models
+
     path = cfg.model.path
     if not path:
+        problem = models.built_model_problem(cfg.model)
+        if problem is not None:
+            raise ConfigError(problem)
         return
     folder = Path(path)
     if not folder.is_dir():
         raise ConfigError(f"config key `model.path`: {path} is not a folder (a local Hugging Face checkpoint: "
                           f"config.json, tokenizer files, *.safetensors)")
     from transformers import AutoConfig
-
-    from rlhpc import models
 
     try:
         config = AutoConfig.from_pretrained(folder)
@@ -233,9 +237,26 @@ def config_key_error(e: BaseException) -> str:
             if "is not in struct" in msg and hint:  # a free-form dict (env.args, model.extra) takes new keys with +
                 msg += f" ({hint})"
             elif "not in '" in msg:
-                msg += " (no such key: rlhpc/config.py lists every key)"
+                msg += f" ({_known_keys(err, key)})"
             return f"config key `{key}`: {msg}"
     return one_line(e)
+
+
+def _known_keys(err: BaseException, key: str) -> str:
+    """For a key its section lacks: the section's keys that look like it, or else all of them."""
+    import dataclasses
+    import difflib
+
+    section, _, name = key.rpartition(".")
+    schema = getattr(err, "object_type", None)
+    if not dataclasses.is_dataclass(schema):
+        return "no such key"
+    names = [f.name for f in dataclasses.fields(schema)]
+    prefix = f"{section}." if section else ""
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    if close:
+        return "did you mean " + " or ".join(f"`{prefix}{c}`" for c in close) + "?"
+    return f"{section or 'the top level'} has: {', '.join(names)}"
 
 
 # ---- relaunching an unfinished run ------------------------------------------------------------------------------------

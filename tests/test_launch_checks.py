@@ -32,7 +32,16 @@ def launch(tmp_path, *overrides, env=None):
 @pytest.mark.parametrize("override, message", [
     ("trainer.steps=many", "error: config key `trainer.steps`: Value 'many' of type 'str' could not be converted"),
     ("model.extra=5", "error: config key `model.extra`: Cannot assign int to Dict"),
-    ("trainer.stepz=3", "error: config key `trainer.stepz`: Key 'stepz' not in 'TrainerConfig' (no such key"),
+    ("trainer.stepz=3", "error: config key `trainer.stepz`: Key 'stepz' not in 'TrainerConfig' (did you mean "
+                        "`trainer.steps`?)"),
+    ("trainer.zzz=3", "error: config key `trainer.zzz`: Key 'zzz' not in 'TrainerConfig' (trainer has: steps, "
+                      "num_ranks, "),
+    ("+model.extra.num_expert=8", "error: config key `model.extra.num_expert`: not a setting of transformers' qwen3 "
+                                  "config, which would ignore it"),
+    ("+model.extra.head_dim=3", "error: config key `model`: the qwen3 model built from model.*'s sizes and "
+                                "model.extra does not run: RuntimeError: The size of tensor a (3) must match"),
+    ("model.arch=qwen4", "error: config key `model.arch`: 'qwen4' is not a transformers model type (did you mean "
+                         "'qwen3'"),
     ("env=nope", "error: config group `env`: no option 'nope' (conf/env/ has: "),
     ("algo.name=nope", "error: config key `algo.name`: unknown loss 'nope'"),
     ("model.path=/does/not/exist", "error: config key `model.path`: /does/not/exist is not a folder"),
@@ -62,6 +71,25 @@ def test_the_other_commands_report_a_bad_value_in_one_line_too(tmp_path, command
     proc = subprocess.run([sys.executable, "-m", command, f"run_dir={tmp_path / 'run'}", override],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     refused_in_one_line(proc, message, tmp_path)
+
+def test_a_model_built_in_code_is_checked_by_building_and_running_it():
+    """Every preset built in code passes; a key of model.extra that transformers would silently keep (a typo) is
+    refused with the keys it resembles, while a legacy key the config converts is accepted and takes effect."""
+    for preset in ("tiny_qwen3", "tiny_qwen3_moe", "tiny_glm5"):
+        values = OmegaConf.load(TESTS.parent / "conf" / "model" / f"{preset}.yaml")
+        model = config_mod.to_typed({"run_dir": "r", "model": values}).model
+        assert models.built_model_problem(model) is None, preset
+    moe = ModelConfig(arch="qwen3_moe", extra={"num_expert": 8})
+    assert models.built_model_problem(moe) == (
+        "config key `model.extra.num_expert`: not a setting of transformers' qwen3_moe config, which would ignore it "
+        "(did you mean `model.extra.num_experts` or `model.extra.num_local_experts`?)")
+    legacy = ModelConfig(extra={"rope_theta": 500000.0})
+    assert models.built_model_problem(legacy) is None
+    tok = models.build_tokenizer()
+    assert models._arch_config(legacy, len(tok), tok).rope_parameters["rope_theta"] == 500000.0
+    assert models.built_model_problem(ModelConfig(extra={"rope_theta": "fast"})).startswith(
+        "config key `model`: the qwen3 model built from model.*'s sizes and model.extra does not run: TypeError")
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
