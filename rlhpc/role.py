@@ -11,7 +11,7 @@ import sys
 
 from rlhpc import config as config_mod
 from rlhpc.identity import Identity, identity_from_env
-from rlhpc.rundir import RunDir, write_json
+from rlhpc.rundir import RunDir, no_space, out_of_space_advice, space_problem, write_json
 from rlhpc.stop import REQUEUE_EXIT, Stop, install_stop_handlers, stop_requested
 
 
@@ -66,10 +66,19 @@ def main() -> int:
         return 143
     except BaseException as e:
         log.exception("%s rank %d failed", ident.role, ident.rank)
+        error = repr(e)
+        # Some writers report a full disk as something else (a short write, a bad position): the folder is asked.
+        full = str(e) if no_space(e) else space_problem(run.root)
+        if full:
+            error = f"out of space: {full} ({out_of_space_advice(run.root)})"
+            log.error("%s", error)
         # The first failure is the cause; later ones are consequences. A worker the launcher will restart has not
         # failed the run, nor has an attached worker (its attach command reports it).
         if not run.failed.exists() and not ident.restarts_left and not ident.attached:
-            write_json(run.failed, {"role": ident.role, "rank": ident.rank, "error": repr(e)}, durable=False)
+            try:
+                write_json(run.failed, {"role": ident.role, "rank": ident.rank, "error": error}, durable=False)
+            except OSError as w:  # a full disk: the launcher finds that out itself (rundir.space_problem)
+                log.error("cannot write %s: %s", run.failed, w)
         return 1
     log.info("%s rank %d finished", ident.role, ident.rank)
     return 0

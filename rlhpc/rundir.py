@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +25,21 @@ def fsync_path(path: Path) -> None:
 
 def atomic_write(path: Path, data: bytes, durable: bool = True, sync_dir: bool = True) -> None:
     """Writes under a temporary name in the same folder, fsyncs, then renames: readers never see a partial file.
-    `sync_dir` also makes the rename itself durable (one more fsync, of the folder)."""
+    `sync_dir` also makes the rename itself durable (one more fsync, of the folder). A write that fails (a full
+    disk) leaves the old file as it was and no temporary file behind."""
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        if durable:
-            os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
     os.replace(tmp, path)
     if durable and sync_dir:
         fsync_path(path.parent)
@@ -44,6 +54,78 @@ def read_json(path: Path, default: Any = None) -> Any:
         return json.loads(path.read_text())
     except FileNotFoundError:
         return default
+
+
+# ---- a full filesystem --------------------------------------------------------------------------------------------
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NO_SPACE_TEXT = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
+
+
+def no_space(e: BaseException) -> bool:
+    """Whether `e`, or an exception it came from, is a full filesystem or an exceeded quota, also where a library
+    reports the OS error in its own (safetensors: "I/O error: No space left on device (os error 28)")."""
+    seen: Optional[BaseException] = e
+    for _ in range(10):
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in _NO_SPACE or any(t in str(seen) for t in _NO_SPACE_TEXT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def space_problem(folder: Path, probe_bytes: int = 64 << 10) -> Optional[str]:
+    """Why `folder` cannot take more data (its filesystem full, or the user's quota exceeded), by writing and removing
+    a probe file of `probe_bytes`; None if it can. Asked after a role failed: a full disk keeps the failing role from
+    writing its own report, and a quota leaves the filesystem's free space looking fine."""
+    probe = folder / f".rlhpc-space-probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"\0" * probe_bytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        if e.errno not in _NO_SPACE:
+            return None
+        free = free_bytes(folder)
+        return f"{e.strerror} under {folder}" + (f" ({_size(free)} free)" if free is not None else "")
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+    return None
+
+
+def out_of_space_advice(root: Path) -> str:
+    """What to do after a run stopped on a full filesystem: nothing is lost that the next launch needs."""
+    latest = read_json(Path(root) / "checkpoints" / "latest.json", default=None)
+    where = (f"its last checkpoint (step {latest['step']})" if isinstance(latest, dict) and "step" in latest
+             else "its start (no checkpoint yet)")
+    return (f"free space (or raise your quota) under {root}, or choose another run_dir, and run the same command "
+            f"again: the run resumes from {where}")
+
+
+def free_bytes(path: Path) -> Optional[int]:
+    """Bytes free for this user on the filesystem that holds `path` (or its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
 
 
 def is_number(v: Any) -> bool:

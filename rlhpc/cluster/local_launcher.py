@@ -19,7 +19,7 @@ from typing import IO, List
 from rlhpc.config import Config
 from rlhpc.infer.engines.disagg import describe as disagg_describe
 from rlhpc.procs import LOG_START, free_port, tail
-from rlhpc.rundir import RunDir, read_json, write_json
+from rlhpc.rundir import RunDir, out_of_space_advice, read_json, space_problem, write_json
 
 
 @dataclass
@@ -147,6 +147,9 @@ class LocalLauncher:
                     p = self.cause(run, failed[0])
                     print(f"\n{p.name} exited with code {p.popen.poll()}; ending the others. Last lines of "
                           f"{run.log_file(p.role, p.rank)}:\n{tail(run.log_file(p.role, p.rank), 40)}", file=sys.stderr)
+                    full = space_problem(run.root)
+                    if full:
+                        print(f"\nrun_dir is out of space: {full}; {out_of_space_advice(run.root)}", file=sys.stderr)
                     return 1
                 if all(p.popen.poll() == 0 for p in trainers):
                     # Workers see status/DONE and exit on their own; give them a moment, then end them.
@@ -176,6 +179,8 @@ class LocalLauncher:
         n, limit = self.restarts.get(p.name, 0), self.cfg.inference.max_restarts
         if p.role not in ("inference", "follower") or n >= limit or run.done.exists() or run.failed.exists():
             return False
+        if space_problem(run.root):  # it would only fail again: the run stops, saying why
+            return False
         self.restarts[p.name] = n + 1
         print(f"\n{p.name} exited with code {p.popen.returncode}; restarting it ({n + 1} of inference.max_restarts="
               f"{limit}); last lines of its log:\n{tail(run.log_file(p.role, p.rank), 5)}", file=sys.stderr, flush=True)
@@ -200,8 +205,12 @@ class LocalLauncher:
         if killed:
             p = next((k for k in killed if k.popen.returncode == -signal.SIGKILL), killed[0])
             name = signal.Signals(-p.popen.returncode).name
-            write_json(run.failed, {"role": p.role, "rank": p.rank, "error": f"killed by {name} (no Python error: the "
-                                    f"process was killed from outside, or crashed)", "then": info}, durable=False)
+            try:
+                write_json(run.failed, {"role": p.role, "rank": p.rank, "error": f"killed by {name} (no Python error: "
+                                        f"the process was killed from outside, or crashed)", "then": info},
+                           durable=False)
+            except OSError:
+                pass  # a full disk: reported on its own (space_problem)
             return p
         if info:
             for p in self.procs:

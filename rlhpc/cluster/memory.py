@@ -304,7 +304,7 @@ class MemoryPlan:
             return None
         keys = ", ".join(dict.fromkeys(self.keys))
         problems = " ".join(p[0].upper() + p[1:] for p in self.problems)
-        return f"this plan cannot run. {problems} Change {keys} (dry_run=true prints the estimate per GPU)."
+        return f"this plan cannot run. {problems} Change {keys} (dry_run=true prints the estimates)."
 
     def placed_in(self, plan: str) -> str:
         """The launcher's plan with these lines before its job script (or at its end)."""
@@ -344,7 +344,56 @@ def plan(cfg) -> MemoryPlan:
     out.lines.append(f"  memory per GPU, estimated ({_params(counts.total)} parameters from {source}; {check}):")
     _trainer(cfg, hf, counts, gpu_gb, out)
     _inference(cfg, hf, counts, gpu_gb, instances, out)
+    _disk(cfg, counts, out)
     return out
+
+
+def _disk(cfg, counts: ParamCount, out: MemoryPlan) -> None:
+    """What the run writes under run_dir, against the space free there (docs/fault-tolerance.md, "A full disk"):
+
+        checkpoint = P x master bytes x 3             (the parameters and 2 AdamW moments; 2 are kept, and the next is
+                                                       written beside them)
+        models     = P x model.dtype bytes each        (the warm-started model; the weights snapshots, 2 kept and the
+                                                       next; the final export) + P x 4 (a model built in code)
+
+    A launch is refused when the space free is less than what the run must write before it can resume from anything:
+    the models it starts from and one checkpoint (what a resumed run has written already is not counted again); a dry
+    run only says so (it may be made away from the cluster's filesystem). A note when the space is less than the most
+    the run holds at once."""
+    from rlhpc.rundir import free_bytes
+
+    root = Path(cfg.run_dir)
+    P = counts.total
+    model = P * DTYPE_BYTES.get(cfg.model.dtype, 4)
+    ckpt = P * DTYPE_BYTES[cfg.trainer.master_dtype] * 3
+    have_ckpts = len(list((root / "checkpoints").glob("step_*")))
+    have_snaps = len(list((root / "weights").glob("v*")))
+    start = (0 if cfg.model.path or (root / "base_model").exists() else P * 4) + \
+        (0 if (root / "model" / "READY").exists() else model) + (0 if have_snaps else model)
+    least = start + ckpt
+    most = start + max(0, 3 - have_ckpts) * ckpt + max(0, 3 - max(have_snaps, 1)) * model + \
+        (0 if (root / "checkpoints" / "final").exists() else model)
+    free = free_bytes(root)
+    where = f"{_gib(free)} free" if free is not None else "free space unknown"
+    out.lines.append(f"  disk under run_dir={root} ({where}), estimated:")
+    out.lines.append(_row("checkpoint", ckpt, f"{_params(P)} x {DTYPE_BYTES[cfg.trainer.master_dtype]} B x 3 "
+                          "(parameters + 2 AdamW moments)"))
+    out.lines.append(_row("before the first checkpoint", least, "the models the run starts from + one checkpoint"))
+    out.lines.append(_row("at most", most, "+ 2 more checkpoints, weights snapshots and the final export"))
+    if free is None:
+        return
+    if free < least:
+        problem = (f"the filesystem of run_dir={root} has {_gib(free)} free, and the run writes {_gib(least)} before "
+                   f"it can resume from a checkpoint (the models it starts from and one checkpoint of {_params(P)} "
+                   "parameters with their AdamW moments): free space there or choose another run_dir.")
+        if cfg.dry_run:  # a plan made away from the cluster's filesystem: told, not refused
+            out.lines.append(f"    note: a launch with this run_dir is refused: {problem}")
+        else:
+            out.problems.append(problem)
+            out.keys.append("run_dir")
+    elif free < most:
+        out.lines.append(f"    note: {_gib(free)} free is less than the {_gib(most)} the run may hold at once; a full "
+                         "disk stops it (it resumes from its last checkpoint once there is room)")
 
 
 def _meshes(cfg, out: MemoryPlan) -> List[Tuple[str, int, str]]:

@@ -29,7 +29,7 @@ from rlhpc.cluster.hetjob import JobPlan, describe, make_plan, render_script
 from rlhpc.config import Config
 from rlhpc.infer.engines.disagg import describe as disagg_describe
 from rlhpc.procs import tail
-from rlhpc.rundir import RunDir, read_json
+from rlhpc.rundir import RunDir, out_of_space_advice, read_json, space_problem
 
 POLL_S = 2.0
 # What a sweep submitted in this process (for SweepCallback).
@@ -173,6 +173,9 @@ class SlurmLauncher:
         else:
             batch_log = run.logs / f"slurm-{job_id}.out"
             print(f"last lines of {batch_log}:\n{tail(batch_log)}", file=sys.stderr)
+        full = space_problem(run.root)
+        if full:
+            print(f"run_dir is out of space: {full}; {out_of_space_advice(run.root)}", file=sys.stderr)
         return 1
 
 

@@ -9,6 +9,7 @@ so a checkpoint interrupted half-way is never resumed from.
 
 from __future__ import annotations
 
+import errno
 import logging
 import random
 import shutil
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from rlhpc.rundir import read_json, write_json
+from rlhpc.rundir import no_space, read_json, space_problem, write_json
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +46,23 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
         shutil.rmtree(path, ignore_errors=True)
     _barrier()
     msd, osd = get_state_dict(model, optimizer)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "no process group" on one rank is expected
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, path / f"rng-{_rank()}.pt")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "no process group" on one rank is expected
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, path / f"rng-{_rank()}.pt")
+    except BaseException as e:
+        # DCP's writer can report a full disk as a torch.save "unexpected pos" error: asked before the partial folder
+        # goes. That folder goes in any case (latest.json still names the previous checkpoint, intact), so that it
+        # holds no space the next attempt needs.
+        full = None if no_space(e) else space_problem(root)
+        shutil.rmtree(path, ignore_errors=True)
+        if full:
+            raise OSError(errno.ENOSPC, f"the checkpoint of step {step} does not fit: {full}") from e
+        raise
     _barrier()
     if _rank() == 0:
         write_json(path / "trainer.json", {**trainer_state, "step": step, "scheduler": scheduler.state_dict()})

@@ -385,8 +385,11 @@ class Queue:
         try:
             _write_all(fd, batch.to_buffers(producer))
             os.fsync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            _unlink(tmp)  # a full disk, say: no partial file left to hold space
+            raise
+        os.close(fd)
         os.replace(tmp, path)
         return path
 
