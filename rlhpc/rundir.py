@@ -91,7 +91,7 @@ def space_problem(folder: Path, probe_bytes: int = 64 << 10) -> Optional[str]:
         if e.errno not in _NO_SPACE:
             return None
         free = free_bytes(folder)
-        return f"{e.strerror} under {folder}" + (f" ({_size(free)} free)" if free is not None else "")
+        return f"{e.strerror} under {folder}" + (f" ({size_text(free)} free)" if free is not None else "")
     finally:
         try:
             probe.unlink()
@@ -120,7 +120,7 @@ def free_bytes(path: Path) -> Optional[int]:
         return None
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from rlhpc.metrics import bottleneck, busy_by_process
-from rlhpc.rundir import RunDir, is_number, read_json_object
+from rlhpc.rundir import (RunDir, free_bytes, is_number, out_of_space_advice, read_json_object, size_text,
+                          space_problem)
 from rlhpc.train.evaluation import read_curve
 
 # The files the status could not read -> why (rlhpc.rundir.read_json_object); shown by their path in the run directory.
@@ -143,6 +144,11 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
         out["summary"] = {k: summary.get(k) for k in ("heldout_reward_base", "heldout_reward_sft", "heldout_reward_rl",
                                                      "rl_steps", "wall_time_s") if k in summary}
     out["unreadable"] = {_in_run(run, p): why for p, why in sorted(bad.items())}
+    out["disk_free_bytes"] = free_bytes(run.root)
+    if out["state"] != "finished":  # a full disk may have kept the failing role from writing status/FAILED
+        full = space_problem(run.root)
+        if full:
+            out["disk_problem"] = f"out of space: {full}; {out_of_space_advice(run.root)}"
     return out
 
 
@@ -214,6 +220,10 @@ def render(info: Dict[str, Any]) -> str:
                   f"--- last lines of {f['log']} ---", f["log_tail"]]
     for path, why in info.get("unreadable", {}).items():
         lines.append(f"unreadable: {path} ({why})")
+    if info.get("disk_problem"):
+        lines.append(f"disk:    {info['disk_problem']}")
+    elif info.get("disk_free_bytes") is not None:
+        lines.append(f"disk:    {size_text(info['disk_free_bytes'])} free under run_dir")
     return "\n".join(lines)
 
 

@@ -160,6 +160,10 @@ def test_a_disk_that_fills_mid_run_stops_it_at_once_naming_it_and_the_same_comma
     kept = json.loads(latest.read_text())
     assert (run / "checkpoints" / kept["path"] / "trainer.json").exists()  # whole: written before latest.json
 
+    status = subprocess.run([sys.executable, "-m", "rlhpc.status", str(run), "--no-slurm"], capture_output=True,
+                            text=True, timeout=60)
+    assert status.returncode == 0 and f"disk:    out of space: No space left on device under {run}" in status.stdout
+
     filler.unlink()
     again = launch(*args)
     assert again.returncode == 0, again.stderr[-3000:]
