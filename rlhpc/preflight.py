@@ -358,6 +358,18 @@ def check_resume(run: RunDir, cfg: Config) -> None:
     if damaged:
         raise RunDirError(f"run_dir={run.root}: its warm-started model is damaged ({damaged}); delete {run.model} to "
                           f"warm-start again, or choose another run_dir")
+    if (run.checkpoints / "latest.json").exists():
+        from rlhpc.train import checkpoint
+
+        whole, broken = checkpoint.resumable(run.checkpoints)
+        listing = "; ".join(f"{p.name}: {why}" for p, why in broken)
+        if whole is None:
+            raise RunDirError(f"run_dir={run.root}: no whole checkpoint to resume from ({listing}); move "
+                              f"{run.checkpoints} aside to train RL again from the warm-started model, or choose "
+                              "another run_dir")
+        if broken:
+            print(f"warning: run_dir={run.root}: damaged checkpoint(s) skipped ({listing}); resuming from the newest "
+                  f"whole one, {whole.name}: the steps after it train again", file=sys.stderr)
     try:
         saved = OmegaConf.load(run.config)
     except Exception as e:  # noqa: BLE001

@@ -152,3 +152,39 @@ def test_a_run_stopped_by_sigterm_resumes_from_its_checkpoint_and_trains_each_gr
     assert [e["step"] for e in entries] == list(range(steps))
     uids = [u for e in entries for u in e["groups"]]
     assert len(uids) == len(set(uids))
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one_before(tmp_path):
+    """A truncated copy of the newest checkpoint (a filesystem that lost the end of a file): the launch warns, naming
+    it and what is wrong, and the run resumes from the older checkpoint kept beside it; every step is in the ledger
+    once, no group twice."""
+    run_dir = tmp_path / "run"
+    steps = 40
+    args = [sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", f"trainer.steps={steps}",
+            "trainer.checkpoint_interval=2"]
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ledger = run_dir / "queue" / "ledger.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and (not ledger.exists() or len(ledger.read_text().splitlines()) < 5):
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=60)
+    newest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
+    kept = sorted(d.name for d in (run_dir / "checkpoints").glob("step_*"))
+    assert len(kept) == 2 and kept[-1] == f"step_{newest:08d}", kept
+    older = int(kept[0].split("_")[1])
+    data = run_dir / "checkpoints" / kept[-1] / "__0_0.distcp"
+    os.truncate(data, data.stat().st_size // 2)
+
+    resumed = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (f"warning: run_dir={run_dir}: damaged checkpoint(s) skipped ({kept[-1]}: __0_0.distcp holds "
+            in resumed.stderr), resumed.stderr[-3000:]
+    assert f"resuming from the newest whole one, {kept[0]}: the steps after it train again" in resumed.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_at"] == [older] and summary["rl_steps"] == steps
+    entries = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert [e["step"] for e in entries] == list(range(steps))
+    uids = [u for e in entries for u in e["groups"]]
+    assert len(uids) == len(set(uids))

@@ -203,6 +203,31 @@ def test_a_damaged_warm_started_model_is_named_before_a_resumed_run_starts(tmp_p
         prepare_run_dir(cfg_of(tmp_path))
 
 
+def test_a_run_whose_checkpoints_are_all_damaged_is_refused_naming_each(tmp_path, capsys):
+    import torch
+
+    from rlhpc.train import checkpoint
+
+    run = trained_run(tmp_path)
+    capsys.readouterr()
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    for step in (2, 4):
+        checkpoint.save(run.checkpoints, step, model, optimizer, scheduler, {})
+    prepare_run_dir(cfg_of(tmp_path))  # both whole: resumed quietly
+    assert "damaged" not in capsys.readouterr().err
+    (run.checkpoints / "step_00000004" / "__0_0.distcp").unlink()
+    prepare_run_dir(cfg_of(tmp_path))
+    assert "damaged checkpoint(s) skipped (step_00000004: __0_0.distcp is missing); resuming from the newest whole " \
+           "one, step_00000002" in capsys.readouterr().err
+    (run.checkpoints / "step_00000002" / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(RunDirError, match=r"no whole checkpoint to resume from \(step_00000004: __0_0.distcp is "
+                                          r"missing; step_00000002: .metadata unreadable .*\); move .*checkpoints "
+                                          r"aside to train RL again from the warm-started model"):
+        prepare_run_dir(cfg_of(tmp_path))
+
+
 def test_a_run_dir_that_is_a_file_or_cannot_be_created_is_named(tmp_path):
     (tmp_path / "afile").write_text("")
     with pytest.raises(RunDirError, match=r"afile is a file, not a folder"):

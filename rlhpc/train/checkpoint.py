@@ -15,7 +15,7 @@ import random
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,51 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
 def latest(root: Path) -> Optional[Path]:
     info = read_json(root / "latest.json")
     return root / info["path"] if info else None
+
+
+def resumable(root: Path) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
+    """(the newest whole checkpoint under `root`, the damaged ones newer than it with what is wrong). The one
+    latest.json names comes first; when it is damaged (a truncated copy, a file lost), the older ones kept beside it
+    (`keep`) are tried, newest first."""
+    first = latest(root)
+    if first is None:
+        return None, []
+    others = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name < first.name), reverse=True)
+    damaged = []
+    for path in [first, *others]:
+        problem = damage(path)
+        if problem is None:
+            return path, damaged
+        damaged.append((path, problem))
+    return None, damaged
+
+
+def damage(path: Path) -> Optional[str]:
+    """What keeps the checkpoint folder `path` from loading, or None: its trainer.json, its DCP metadata, and each
+    data file at least as long as the metadata says (the tensors are not read)."""
+    if not path.is_dir():
+        return "missing"
+    try:
+        state = read_json(path / "trainer.json")
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            return "trainer.json has no step"
+    except (OSError, ValueError) as e:
+        return f"trainer.json unreadable ({e})"
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - whatever the unpickling raises, the metadata is unreadable
+        return f".metadata unreadable ({type(e).__name__}: {e})"
+    need: Dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        try:
+            have = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if have < size:
+            return f"{name} holds {have:,} bytes, its metadata needs {size:,} (a truncated write or copy)"
+    return None
 
 
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> Dict[str, Any]:

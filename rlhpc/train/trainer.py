@@ -121,7 +121,12 @@ class Trainer:
         """The model, fresh or resumed from the latest checkpoint; rank 0's ledger and sender. Returns the first step
         to train; a resumed run brings the workers to its weights version."""
         self.tokenizer = models.load_tokenizer(self.run.model)
-        resume_from = checkpoint.latest(self.run.checkpoints)
+        resume_from, damaged = checkpoint.resumable(self.run.checkpoints)
+        for path, problem in damaged:
+            log.warning("checkpoint %s is damaged (%s); not resuming from it", path, problem)
+        if damaged and resume_from is None:
+            raise RuntimeError(f"no whole checkpoint to resume from in {self.run.checkpoints}: "
+                               + "; ".join(f"{p.name}: {why}" for p, why in damaged))
         # Resuming, the DCP checkpoint fills the (sharded) parameters: the Hugging Face weights are not read.
         self.setup_model(load_weights=resume_from is None)
         self.claims.queue.vocab_size = self.model.config.vocab_size  # a file with larger token ids is quarantined
