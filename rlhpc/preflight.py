@@ -30,6 +30,8 @@ def check(cfg: Config, model: bool = True) -> None:
     run may plan for a checkpoint that only the cluster's filesystem holds); a model built in code is always checked."""
     if model or not cfg.model.path:
         check_model(cfg)
+    if cfg.inference.serve and cfg.launcher.name == "local" and not cfg.dry_run:
+        check_serving(cfg)
     check_context(cfg)
     check_env(cfg)
     check_loss(cfg)
@@ -145,6 +147,20 @@ def check_context(cfg: Config) -> None:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_serving(cfg: Config, workers: int = 0) -> None:
+    """The serving ports (inference.serve_port + rank for each of `workers`, default inference.num_workers) can be
+    bound on inference.serve_host here; only when the servers will run on this machine (a local launch, rlhpc.serve)
+    and the port is fixed (0 picks a free one)."""
+    from rlhpc.infer.server import bind, node_address
+
+    inf = cfg.inference
+    if not inf.serve_port:
+        return
+    host = node_address(inf.serve_host)[0]
+    for rank in range(workers or inf.num_workers):
+        bind(host, inf.serve_port + rank).close()
 
 
 def check_env(cfg: Config) -> None:

@@ -13,6 +13,7 @@ model built in code. It prints the address and the token (none with `inference.s
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -98,25 +99,36 @@ def main() -> None:
             cfg = config_mod.to_typed(dcfg)
             config_mod.validate(cfg)
             preflight.check_model(cfg, trainer=False)
+            preflight.check_serving(cfg, workers=1)  # the port, before the model is loaded
             run = serve_dir(cfg)
+            config_mod.save(cfg, run.config)
+            (run.root / SERVE_MARK).touch()
+            server, path = start(cfg, run)  # the port may have been taken meanwhile: the same one-line error
         except config_mod.ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-        config_mod.save(cfg, run.config)
-        (run.root / SERVE_MARK).touch()
-        server, path = start(cfg, run)
         stop = threading.Event()
+
+        def on_signal(*_) -> None:
+            if stop.is_set():  # a second Ctrl-C: now, without waiting for the generation in progress
+                os._exit(130)
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, on_signal)
         print(f"serving {server.model} ({path}, engine {cfg.inference.engine}) at {server.url}", flush=True)
         print(f"token: {server.token}" if server.token else "token: none (inference.serve_open=true)", flush=True)
         print(f"rendezvous: {run.rendezvous}/serve-0.json", flush=True)
         try:
             stop.wait()
         finally:
-            server.close()
+            print("stopping: requests not answered yet get 503 (Ctrl-C again ends it at once)", flush=True)
+            server.close(timeout_s=2)  # the engine call in progress is not waited for long: its clients have answers
             server.engine.close()
             print("stopped", flush=True)
+            logging.shutdown()
+            # Not the interpreter's teardown: a batcher thread still inside torch would abort the process there.
+            os._exit(0)
 
     _run()
 

@@ -113,9 +113,34 @@ def test_requests_without_the_run_token_are_refused(served):
     ("/v1/completions", {"model": "tiny", "prompt": 17}, 400, "prompt"),
     ("/inference/v1/generate", {"token_ids": [1, 2, 10 ** 9], "sampling_params": {}}, 400, "token ids"),
     ("/inference/v1/generate", {"token_ids": [], "sampling_params": {}}, 400, "empty"),
+    # Fields of the wrong type: each a 400 naming it (they were 500s), and options not supported: refused, not ignored.
+    ("/v1/chat/completions", {"model": ["tiny"], "messages": MESSAGES}, 400, "`model` must be a string"),
+    ("/v1/chat/completions", {"messages": MESSAGES}, 400, "`model` is required"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": "x"}, 400,
+     "`chat_template_kwargs` must be an object"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "stream": "false"}, 400,
+     "`stream` must be true or false"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "stream": True, "stream_options": "x"}, 400,
+     "`stream_options` must be an object"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "assistant", "content": "", "tool_calls": [1]}]},
+     400, "tool_calls must be a list"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "temperature": float("nan")}, 400,
+     "`temperature` must be a finite number"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
+     "`response_format`"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "tool_choice": "required"}, 400, "`tool_choice`"),
+    # Text that cannot fit the context is refused before it is tokenized; a body over the limit is not read.
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a" * 2_000_000}]}, 400,
+     "characters, more than 64 for each of this model's 256 tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a" * 2_000_000}, 400, "characters"),
+    ("/v1/chat/completions", b"x" * (17 << 20), 413, "the most this server reads"),
+    ("/nope", {}, 404, "POST /nope: Not Found"),
 ])
 def test_bad_requests_get_a_4xx_with_a_clear_message_and_serving_goes_on(client, path, body, status, says):
-    r = client.post(path, content=body) if isinstance(body, bytes) else client.post(path, json=body)
+    if isinstance(body, bytes):
+        r = client.post(path, content=body)
+    else:  # NaN is no JSON: written as Python's json writes it
+        r = client.post(path, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     assert r.status_code == status, r.text
     assert says in r.json()["error"]["message"]
     ok = client.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4})
@@ -302,3 +327,105 @@ def test_an_openai_client_talks_to_the_server(served):
         openai.OpenAI(base_url=served[0].url + "/v1", api_key="wrong").models.list()
     with pytest.raises(openai.BadRequestError, match="top_p"):
         api.chat.completions.create(model="tiny", messages=MESSAGES, top_p=0.5)
+
+
+def test_a_tiny_temperature_is_greedy_not_a_500(client, tok):
+    """Logits divided by 1e-45 overflow: like vLLM, a temperature below 1e-5 samples greedily."""
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 6}
+    tiny = client.post("/v1/chat/completions", json={**body, "temperature": 1e-45})
+    greedy = client.post("/v1/chat/completions", json={**body, "temperature": 0})
+    assert tiny.status_code == 200, tiny.text
+    assert tiny.json()["choices"][0]["message"] == greedy.json()["choices"][0]["message"]
+
+
+def test_logprob_bytes_are_each_tokens_raw_bytes_and_offsets_fall_on_characters(client, tok):
+    """A byte-level token may end inside a multi-byte character: its `bytes` are its own bytes (not U+FFFD's), so
+    they join into the answer's text; /v1/completions' text_offset counts characters of that text."""
+    from rlhpc.infer.server import text_offsets, token_bytes_of
+
+    raw = token_bytes_of(tok)
+    ids = tok("héllo 日本", add_special_tokens=False)["input_ids"]
+    assert b"".join(raw(t) for t in ids).decode() == "héllo 日本"
+    assert any(raw(t) != tok.decode([t]).encode() for t in ids)  # the case that was wrong: a partial character
+    offsets = text_offsets([raw(t) for t in ids])
+    assert offsets[0] == 0 and offsets[-1] == len("héllo 日本") - 1 and offsets == sorted(offsets)
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "日本"}],
+                                                  "logprobs": True, "max_tokens": 24, "temperature": 1.0})
+    choice = r.json()["choices"][0]
+    joined = b"".join(bytes(e["bytes"]) for e in choice["logprobs"]["content"])
+    assert joined.decode("utf-8", "replace") == choice["message"]["content"]
+
+
+def test_a_client_that_leaves_takes_its_queued_request_with_it(model_dir, tok):
+    """Requests of clients that disconnected while queued are not generated: only the engine call already running
+    (which cannot be interrupted) is spent on them."""
+    import socket
+
+    engine = CountingEngine(HFEngine.from_pretrained(str(model_dir), seed=1))
+    server = Server(engine, tok, "tiny", context_length(model_dir), TOKEN, max_sequences=4).start()
+    try:
+        body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "n": 4, "ignore_eos": True}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        socks = []
+        for _ in range(6):  # 6 requests of 4 sequences, 4 sequences a call: 6 engine calls if all were generated
+            s = socket.create_connection(("127.0.0.1", server.port))
+            s.sendall(head + body)
+            socks.append(s)
+        import time
+
+        time.sleep(0.5)
+        for s in socks:
+            s.close()
+        r = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {TOKEN}"},
+                       json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2}, timeout=120)
+        assert r.status_code == 200
+        assert engine.calls <= 3, f"{engine.calls} engine calls: the abandoned requests were generated"
+    finally:
+        server.close()
+
+
+def test_closing_answers_every_waiting_request_503_at_once(model_dir, tok):
+    engine = CountingEngine(HFEngine.from_pretrained(str(model_dir), seed=1))
+    server = Server(engine, tok, "tiny", context_length(model_dir), TOKEN, max_sequences=4).start()
+    codes = []
+
+    def ask():
+        r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120,
+                       json={"model": "tiny", "prompt": [5, 6, 7], "n": 4, "ignore_eos": True})
+        codes.append(r.status_code)
+
+    threads = [threading.Thread(target=ask) for _ in range(6)]
+    for t in threads:
+        t.start()
+    import time
+
+    while engine.calls == 0:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    server.close(timeout_s=2)
+    for t in threads:
+        t.join(timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert codes and all(c in (200, 503) for c in codes) and codes.count(503) >= 4, codes
+
+
+def test_a_serving_port_in_use_is_one_line_naming_the_key(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        proc = subprocess.run([sys.executable, "-m", "rlhpc.serve", f"run_dir={tmp_path / 'srv'}",
+                               f"inference.serve_port={port}", "inference.serve_host=127.0.0.1"],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: config key `inference.serve_port`: cannot serve on 127.0.0.1:{port}: "
+                                   "Address already in use")
+    assert not (tmp_path / "srv").exists()

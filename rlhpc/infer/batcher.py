@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
@@ -100,6 +100,10 @@ class SharedEngine(Engine):
         setattr(self.inner, name, value)
 
 
+class ShuttingDown(RuntimeError):
+    """A request that arrived or waited while the server closes (the HTTP answer is 503)."""
+
+
 @dataclass(frozen=True)
 class Sampling:
     """What a client asked for, as the engine's sampling contract can do it (rlhpc.infer.engines)."""
@@ -134,21 +138,36 @@ class Batcher:
         self._queue: "queue.Queue[Optional[_Request]]" = queue.Queue()
         self._threads = torch.get_num_threads()  # torch's thread count is per thread: the batcher's is set to this
         self._closed = False
+        self._outstanding: set = set()  # requests not answered yet (their futures), for close()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="serve-batcher", daemon=True)
         self._thread.start()
 
     def submit(self, prompt: Sequence[int], sampling: Sampling) -> "Future[Tuple[List[Completion], int]]":
         """`sampling.n` completions of `prompt` and the weights version they were generated with."""
         if self._closed:
-            raise RuntimeError("the server is shutting down")
+            raise ShuttingDown("the server is shutting down")
         req = _Request(list(prompt), sampling)
+        with self._lock:
+            self._outstanding.add(req.future)
+        req.future.add_done_callback(self._answered)
         self._queue.put(req)
         return req.future
 
-    def close(self) -> None:
+    def _answered(self, future: Future) -> None:
+        with self._lock:
+            self._outstanding.discard(future)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Refuses new requests and answers every request not answered yet with ShuttingDown at once, those of the
+        engine call in progress included; waits up to `timeout_s` for that call, which cannot be interrupted, to end."""
         self._closed = True
         self._queue.put(None)
-        self._thread.join(timeout=10)
+        with self._lock:
+            waiting = list(self._outstanding)
+        for future in waiting:
+            _settle(future, error=ShuttingDown("the server is shutting down"))
+        self._thread.join(timeout=timeout_s)
 
     # ---- the loop ---------------------------------------------------------------------------------------------------
 
@@ -165,10 +184,24 @@ class Batcher:
             else:
                 window = 0.0  # what arrived while the engine was busy joins at once
             if not self._take_arrivals(backlog, time.monotonic() + window):
-                self._fail(backlog, RuntimeError("the server is shutting down"))
+                self._fail(backlog, ShuttingDown("the server is shutting down"))
+                self._fail(self._drain(), ShuttingDown("the server is shutting down"))
                 return
+            backlog = [r for r in backlog if not r.future.cancelled()]  # their clients left: nothing to generate
+            if not backlog:
+                continue
             call, backlog = self._next_call(backlog)
             self._generate(call)
+
+    def _drain(self) -> List[_Request]:
+        out = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return out
+            if item is not None:
+                out.append(item)
 
     def _take_arrivals(self, backlog: List[_Request], deadline: float) -> bool:
         """Moves requests from the queue to `backlog` until the queue is empty at `deadline`; False on shutdown."""
@@ -211,21 +244,30 @@ class Batcher:
                     self._generate([r])
                 return
             log.warning("engine call for one request failed: %s", e)
-            call[0].future.set_exception(e)
+            _settle(call[0].future, error=e)
             return
         self.engine_calls += 1
         self.sequences += len(prompts)
         it = iter(outs)
         for r in call:
             completions = [_truncate(next(it)[0], r.sampling.max_tokens) for _ in range(r.sampling.n)]
-            if not r.future.done():
-                r.future.set_result((completions, version))
+            _settle(r.future, result=(completions, version))
 
     @staticmethod
     def _fail(requests: List[_Request], error: BaseException) -> None:
         for r in requests:
-            if not r.future.done():
-                r.future.set_exception(error)
+            _settle(r.future, error=error)
+
+
+def _settle(future: Future, result: Any = None, error: Optional[BaseException] = None) -> None:
+    """Answers `future` unless it is answered already (a client gone, a server closing: from another thread)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 def _truncate(c: Completion, max_tokens: int) -> Completion:

@@ -32,8 +32,10 @@ every release. The same small server runs over both engines instead; vLLM still 
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request) at runtime.
 import asyncio
+import errno
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -44,7 +46,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
-from rlhpc.infer.batcher import Batcher, Sampling, SharedEngine
+from rlhpc.infer.batcher import Batcher, Sampling, SharedEngine, ShuttingDown
 from rlhpc.infer.engines import Completion, Engine
 from rlhpc.rundir import RunDir, read_json, wait_for, write_json
 from rlhpc.procs import node_address as this_node_address
@@ -54,6 +56,11 @@ log = logging.getLogger(__name__)
 VERSION_HEADER = "X-Rlhpc-Weights-Version"
 # Completions one request may ask for (`n`, times the prompts of a /v1/completions request).
 MAX_N = 128
+# The largest request body read (413 beyond): a prompt that fits any context served here is far smaller.
+MAX_BODY_BYTES = 16 << 20
+# Text longer than this many characters a token of the context cannot fit it; refused before it is tokenized, which
+# for megabytes of text takes seconds.
+MAX_CHARS_PER_TOKEN = 64
 
 
 class ApiError(Exception):
@@ -93,12 +100,10 @@ class Server:
     def start(self) -> "Server":
         import uvicorn
 
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
+        sock = bind(self.host, self.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30)
+                                timeout_keep_alive=30, timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="serve-http",
                                         daemon=True)
@@ -109,12 +114,21 @@ class Server:
         log.info("serving %s on %s (%s)", self.model, self.url, "token required" if self.token else "open")
         return self
 
-    def close(self) -> None:
+    def check_text(self, text: str, param: str) -> None:
+        """400 for text too long to fit the context whatever its tokens, before it is tokenized."""
+        if len(text) > self.context * MAX_CHARS_PER_TOKEN:
+            raise ApiError(400, f"the prompt has {len(text)} characters, more than {MAX_CHARS_PER_TOKEN} for each of "
+                                f"this model's {self.context} tokens of context", param)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stops taking connections, answers the queued requests 503 at once, lets the engine call in progress finish
+        (up to `timeout_s`: it cannot be interrupted) and its clients get their answers."""
         if self._server is not None:
             self._server.should_exit = True
+        deadline = time.monotonic() + timeout_s
+        self.batcher.close(timeout_s)
         if self._thread is not None:
-            self._thread.join(timeout=10)
-        self.batcher.close()
+            self._thread.join(timeout=max(0.5, deadline - time.monotonic()))
         if self.rendezvous_file is not None:
             self.rendezvous_file.unlink(missing_ok=True)
 
@@ -133,6 +147,10 @@ class Server:
         name = body.get("model")
         if name is None and not required:
             return
+        if name is None:
+            raise ApiError(400, f"`model` is required (this server serves {self.model!r})", "model")
+        if not isinstance(name, str):
+            raise ApiError(400, f"`model` must be a string (this server serves {self.model!r}), got {name!r}", "model")
         if name not in self.names:
             raise ApiError(404, f"the model {name!r} does not exist here; this server serves {self.model!r}", "model",
                            kind="not_found_error")
@@ -154,8 +172,24 @@ class Server:
                            "max_tokens")
         return max_tokens
 
-    async def run(self, prompt: List[int], sampling: Sampling) -> Tuple[List[Completion], int]:
-        return await asyncio.wrap_future(self.batcher.submit(prompt, sampling))
+    async def run(self, prompt: List[int], sampling: Sampling, request: Any = None) -> Tuple[List[Completion], int]:
+        """The completions of one prompt. With the HTTP `request`, a client that disconnects while its request waits
+        takes it out of the queue: nothing is generated for no one."""
+        try:
+            future = self.batcher.submit(prompt, sampling)
+        except ShuttingDown as e:
+            raise ApiError(503, str(e), kind="service_unavailable") from None
+        waiter = asyncio.wrap_future(future)
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiter}, timeout=None if request is None else 0.25)
+                if done:
+                    return waiter.result()
+                if await request.is_disconnected():
+                    future.cancel()  # the batcher skips it (unless its engine call has begun)
+                    raise ApiError(499, "the client disconnected", kind="client_closed_request")
+        except ShuttingDown as e:
+            raise ApiError(503, str(e), kind="service_unavailable") from None
 
 
 # ---- request parsing ------------------------------------------------------------------------------------------------
@@ -177,13 +211,40 @@ def _neutral(body: Dict[str, Any], key: str, allowed: Sequence[Any], why: str) -
 
 
 _CONTRACT = "rlhpc samples from softmax(logits / temperature) and nothing else, so that the logprobs describe it"
+_GREEDY_BELOW = 1e-5
+
+
+def _flag(body: Dict[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"`{key}` must be true or false, got {value!r}", key)
+    return bool(value)
+
+
+def _object(body: Dict[str, Any], key: str) -> Dict[str, Any]:
+    value = body.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise ApiError(400, f"`{key}` must be an object, got {value!r}", key)
+    return value or {}
+
+
+def parse_options(body: Dict[str, Any]) -> None:
+    """What a request may ask that this server does not do: refused, not ignored."""
+    fmt = _object(body, "response_format")
+    if fmt and fmt.get("type") not in (None, "text"):
+        raise ApiError(400, f"`response_format` {fmt.get('type')!r} is not supported (only 'text')", "response_format")
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        raise ApiError(400, "`tool_choice` must be 'auto' or 'none': the policy decides whether to call a tool",
+                       "tool_choice")
 
 
 def parse_sampling(body: Dict[str, Any], eos: Optional[int]) -> Tuple[Sampling, Optional[int], List[str]]:
     """Sampling settings of a request (OpenAI or vLLM names); max_tokens None means: up to the context."""
     temperature = float(_number(body, "temperature", 1.0))
-    if temperature < 0:
-        raise ApiError(400, "`temperature` must be >= 0 (0 is greedy)", "temperature")
+    if not 0 <= temperature < math.inf:
+        raise ApiError(400, f"`temperature` must be a finite number >= 0 (0 is greedy), got {temperature}",
+                       "temperature")
     _neutral(body, "top_p", (1, 1.0), _CONTRACT + " (top_p must be 1)")
     _neutral(body, "top_k", (0, -1), _CONTRACT + " (top_k must be 0 or -1)")
     _neutral(body, "min_p", (0, 0.0), _CONTRACT)
@@ -208,7 +269,7 @@ def parse_sampling(body: Dict[str, Any], eos: Optional[int]) -> Tuple[Sampling, 
         raise ApiError(400, "`stop_token_ids` must be a list of token ids", "stop_token_ids")
     if eos is not None and not body.get("ignore_eos"):
         stop_ids = [eos, *stop_ids]
-    greedy = temperature == 0
+    greedy = temperature < _GREEDY_BELOW  # as vLLM: dividing logits by a tinier temperature overflows them
     sampling = Sampling(greedy=greedy, temperature=1.0 if greedy else temperature, max_tokens=0,
                         stop_token_ids=tuple(dict.fromkeys(stop_ids)), n=n)
     return sampling, max_tokens, [s for s in stop if s]
@@ -239,10 +300,14 @@ def parse_messages(body: Dict[str, Any]) -> List[Dict[str, Any]]:
         m["content"] = _text_parts(m.get("content"), f"messages[{i}]")
         calls = m.get("tool_calls")
         if calls:  # chat templates want the arguments as objects; OpenAI clients send them as JSON text
+            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                      for c in calls):
+                raise ApiError(400, f"messages[{i}].tool_calls must be a list of {{type, function: {{name, "
+                                    "arguments}} objects", "messages")
             fixed = []
             for c in calls:
                 c = json.loads(json.dumps(c))
-                fn = c.get("function", {})
+                fn = c["function"]
                 if isinstance(fn.get("arguments"), str):
                     try:
                         fn["arguments"] = json.loads(fn["arguments"])
@@ -311,15 +376,30 @@ def _make_app(server: Server):
     async def _api_error(request: Request, e: ApiError):  # noqa: ARG001
         return JSONResponse(e.body(), status_code=e.status)
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception):  # noqa: ARG001
-        log.exception("serving %s failed", request.url.path)
-        err = ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="internal_error")
-        return JSONResponse(err.body(), status_code=500)
+    app.add_middleware(_InternalErrors)
+
+    async def _not_found(request: Request, e: Any):
+        status = getattr(e, "status_code", 404)
+        err = ApiError(status, f"{request.method} {request.url.path}: {getattr(e, 'detail', 'not found')}",
+                       kind="not_found_error" if status == 404 else "invalid_request_error")
+        return JSONResponse(err.body(), status_code=status)
+
+    from starlette.exceptions import HTTPException
+
+    app.add_exception_handler(HTTPException, _not_found)  # unknown routes and methods answer in the OpenAI shape
 
     async def read(request: Request) -> Dict[str, Any]:
         server.check_token(request.headers.get("authorization"))
-        raw = await request.body()
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body has {int(size)} bytes; the most this server reads is "
+                                f"{MAX_BODY_BYTES}")
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes, the most this server "
+                                    "reads")
         try:
             body = json.loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -339,6 +419,8 @@ def _make_app(server: Server):
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={VERSION_HEADER: str(version)})
 
+    raw_bytes = token_bytes_of(tok)
+
     def token_text(t: int, as_ids: bool) -> str:
         return f"token_id:{t}" if as_ids else tok.decode([t])
 
@@ -346,7 +428,7 @@ def _make_app(server: Server):
         out = []
         for t, lp in zip(c.tokens, c.logprobs):
             s = token_text(t, as_ids)
-            entry = {"token": s, "logprob": lp, "bytes": list(s.encode())}
+            entry = {"token": s, "logprob": lp, "bytes": list(raw_bytes(t))}
             entry["top_logprobs"] = [dict(entry)] if top else []  # the sampled token only (docs/serving.md)
             out.append(entry)
         return out
@@ -371,21 +453,29 @@ def _make_app(server: Server):
         tools = body.get("tools") or None
         if tools is not None and not isinstance(tools, list):
             raise ApiError(400, "`tools` must be a list of function tools", "tools")
+        parse_options(body)
         use_tools = bool(tools) and body.get("tool_choice") != "none"
         sampling, max_tokens, stop = parse_sampling(body, eos)
-        kwargs = dict(body.get("chat_template_kwargs") or {})
-        try:
-            text = tok.apply_chat_template(messages, tools=tools if use_tools else None,
-                                           add_generation_prompt=body.get("add_generation_prompt", True),
-                                           tokenize=False, **kwargs)
-        except Exception as e:  # noqa: BLE001 - a template that refuses these messages is the request's problem
-            raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from None
-        prompt = tok(text, add_special_tokens=False)["input_ids"]
+        kwargs = _object(body, "chat_template_kwargs")
+        streaming, stream_options = _flag(body, "stream"), _object(body, "stream_options")
+        server.check_text("".join(m["content"] for m in messages), "messages")
+
+        def render() -> List[int]:
+            try:
+                text = tok.apply_chat_template(messages, tools=tools if use_tools else None,
+                                               add_generation_prompt=body.get("add_generation_prompt", True),
+                                               tokenize=False, **kwargs)
+            except Exception as e:  # noqa: BLE001 - a template that refuses these messages is the request's problem
+                raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from None
+            server.check_text(text, "messages")
+            return tok(text, add_special_tokens=False)["input_ids"]
+
+        prompt = await asyncio.to_thread(render)  # off the event loop: other clients are answered meanwhile
         budget = server.check_prompt(prompt, max_tokens)
         top = body.get("top_logprobs") or 0
         want_lp, as_ids = bool(body.get("logprobs")), bool(body.get("return_tokens_as_token_ids"))
         want_ids = bool(body.get("return_token_ids"))
-        completions, version = await server.run(prompt, replace(sampling, max_tokens=budget))
+        completions, version = await server.run(prompt, replace(sampling, max_tokens=budget), request)
         lo, hi = _versions([(completions, version)])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = []
@@ -404,7 +494,7 @@ def _make_app(server: Server):
         usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(len(c.tokens) for _, c in choices),
                  "total_tokens": len(prompt) + sum(len(c.tokens) for _, c in choices)}
         head = {"id": rid, "created": created, "model": server.model, "weights_version": hi, "min_weights_version": lo}
-        if not body.get("stream"):
+        if not streaming:
             out = {**head, "object": "chat.completion", "choices": [ch for ch, _ in choices], "usage": usage}
             if want_ids:
                 out["prompt_token_ids"] = prompt
@@ -431,7 +521,7 @@ def _make_app(server: Server):
             if message.get("tool_calls"):
                 chunks.append(chunk({"tool_calls": [{"index": j, **tc} for j, tc in enumerate(message["tool_calls"])]}))
             chunks.append(chunk({}, choice["finish_reason"]))
-        if (body.get("stream_options") or {}).get("include_usage"):
+        if stream_options.get("include_usage"):
             chunks.append({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage})
         return stream(chunks, hi)
 
@@ -443,12 +533,19 @@ def _make_app(server: Server):
             raise ApiError(400, "`echo` is not supported", "echo")
         if body.get("suffix"):
             raise ApiError(400, "`suffix` is not supported", "suffix")
-        prompts = _prompts(tok, body.get("prompt"))
+        parse_options(body)
+        streaming, stream_options = _flag(body, "stream"), _object(body, "stream_options")
+        text_prompt = body.get("prompt")
+        for p in [text_prompt] if isinstance(text_prompt, str) else text_prompt if isinstance(text_prompt, list) else []:
+            if isinstance(p, str):
+                server.check_text(p, "prompt")
+        prompts = await asyncio.to_thread(_prompts, tok, text_prompt)
         sampling, max_tokens, stop = parse_sampling(body, eos)
         if len(prompts) * sampling.n > MAX_N:
             raise ApiError(400, f"{len(prompts)} prompts x n={sampling.n} completions is more than {MAX_N}", "n")
         budgets = [server.check_prompt(p, max_tokens, "prompt") for p in prompts]
-        results = await asyncio.gather(*[server.run(p, replace(sampling, max_tokens=b)) for p, b in zip(prompts, budgets)])
+        results = await asyncio.gather(*[server.run(p, replace(sampling, max_tokens=b), request)
+                                         for p, b in zip(prompts, budgets)])
         lo, hi = _versions(results)
         want_lp = body.get("logprobs") is not None
         want_ids = bool(body.get("return_token_ids"))
@@ -463,7 +560,7 @@ def _make_app(server: Server):
                 lp = None
                 if want_lp:
                     strs = [token_text(t, as_ids) for t in c.tokens]
-                    offsets = [sum(len(s) for s in strs[:k]) for k in range(len(strs))]
+                    offsets = text_offsets([raw_bytes(t) for t in c.tokens])
                     lp = {"tokens": strs, "token_logprobs": list(c.logprobs), "text_offset": offsets,
                           "top_logprobs": [{s: x} for s, x in zip(strs, c.logprobs)] if body["logprobs"] else None}
                 choice = {"index": pi * sampling.n + j, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
@@ -473,7 +570,7 @@ def _make_app(server: Server):
                 choices.append((choice, c))
         usage = {"prompt_tokens": sum(len(p) for p in prompts), "completion_tokens": n_out,
                  "total_tokens": sum(len(p) for p in prompts) + n_out}
-        if not body.get("stream"):
+        if not streaming:
             return reply({**head, "object": "text_completion", "choices": [ch for ch, _ in choices], "usage": usage}, hi)
         chunks = []
         for choice, c in choices:
@@ -490,7 +587,7 @@ def _make_app(server: Server):
             chunks.append({**head, "object": "text_completion",
                            "choices": [{"index": choice["index"], "text": "", "finish_reason": choice["finish_reason"],
                                         "logprobs": None}]})
-        if (body.get("stream_options") or {}).get("include_usage"):
+        if stream_options.get("include_usage"):
             chunks.append({**head, "object": "text_completion", "choices": [], "usage": usage})
         return stream(chunks, hi)
 
@@ -498,7 +595,7 @@ def _make_app(server: Server):
     async def generate(request: Request):
         body = await read(request)
         server.check_model(body, required=False)
-        if body.get("stream"):
+        if _flag(body, "stream"):
             raise ApiError(400, "`stream` is not supported on /inference/v1/generate (use /v1/completions)", "stream")
         if body.get("features") or body.get("content_parts"):
             raise ApiError(400, "multimodal inputs are not supported", "features")
@@ -510,7 +607,7 @@ def _make_app(server: Server):
             raise ApiError(400, "`sampling_params` must be an object", "sampling_params")
         sampling, max_tokens, stop = parse_sampling(params, eos)
         budget = server.check_prompt(prompt, max_tokens, "token_ids")
-        completions_, version = await server.run(prompt, replace(sampling, max_tokens=budget))
+        completions_, version = await server.run(prompt, replace(sampling, max_tokens=budget), request)
         lo, hi = _versions([(completions_, version)])
         choices = []
         for i, c in enumerate(completions_):
@@ -538,6 +635,38 @@ def _make_app(server: Server):
     return app
 
 
+class _InternalErrors:
+    """Any failure of a handler: one 500 in the OpenAI shape and one traceback in the log. An ASGI middleware of its
+    own: an exception handler for Exception makes Starlette re-raise (uvicorn logs the traceback again), and Starlette's
+    BaseHTTPMiddleware wraps `receive` so that a handler no longer sees its client disconnect."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as e:  # noqa: BLE001 - whatever a handler raised
+            log.exception("serving %s failed", scope.get("path"))
+            if started:
+                return  # the answer had begun: the client sees it cut short
+            body = json.dumps(ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="internal_error").body())
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body.encode()})
+
+
 def _prompts(tok, prompt: Any) -> List[List[int]]:
     """The prompts of a /v1/completions request: text, token ids, or a list of either."""
     def is_ids(x: Any) -> bool:
@@ -552,6 +681,63 @@ def _prompts(tok, prompt: Any) -> List[List[int]]:
     else:
         raise ApiError(400, "`prompt` must be a string, a list of token ids, or a list of either", "prompt")
     return [list(p) if isinstance(p, list) else tok(p)["input_ids"] for p in items]
+
+
+def _byte_level_alphabet() -> Dict[str, int]:
+    """The characters a byte-level BPE (GPT-2, Qwen, GLM, MiniMax; rlhpc's built tokenizer) writes its tokens in,
+    each standing for one byte: printable bytes for themselves, the others for 256 + their rank among them."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def token_bytes_of(tok):
+    """token id -> its raw bytes (OpenAI's `bytes` field): exact for byte-level BPE tokenizers, whose single tokens
+    may end inside a multi-byte character (decoding one alone gives U+FFFD); the UTF-8 of its text otherwise."""
+    alphabet = _byte_level_alphabet() if _is_byte_level(tok) else {}
+    specials = set(getattr(tok, "all_special_ids", []) or [])
+
+    def raw(t: int) -> bytes:
+        piece = tok.convert_ids_to_tokens(t)
+        if t not in specials and isinstance(piece, str) and piece and all(ch in alphabet for ch in piece):
+            return bytes(alphabet[ch] for ch in piece)
+        return tok.decode([t]).encode()
+
+    return raw
+
+
+def _is_byte_level(tok) -> bool:
+    """Whether the (fast) tokenizer decodes through the byte-level alphabet (a SentencePiece one writes 'é' as itself,
+    two bytes of UTF-8, where a byte-level one writes the single byte 0xE9 as 'é')."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
+        return False
+    if type(decoder).__name__ != "Sequence":
+        return type(decoder).__name__ == "ByteLevel"
+    try:
+        spec = json.loads(backend.to_str()).get("decoder") or {}
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot describe itself: not assumed byte-level
+        return False
+    return any(d.get("type") == "ByteLevel" for d in spec.get("decoders", []) or [])
+
+
+def text_offsets(pieces: Sequence[bytes]) -> List[int]:
+    """The offset in the completion's text of the character where each token's bytes begin (a token that begins inside
+    a multi-byte character: that character's)."""
+    offsets, chars = [], 0
+    for b in pieces:
+        inside = bool(b) and b[0] & 0xC0 == 0x80 and chars > 0  # starts with a UTF-8 continuation byte
+        offsets.append(chars - inside)
+        chars += sum(1 for x in b if x & 0xC0 != 0x80)
+    return offsets
 
 
 def _deltas(tok, tokens: Sequence[int], text: str) -> List[str]:
@@ -572,6 +758,22 @@ def _deltas(tok, tokens: Sequence[int], text: str) -> List[str]:
 
 
 # ---- rendezvous: where a worker serves, and the token ---------------------------------------------------------------
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: any free one), or a ConfigError naming the key to change: a port in use
+    (inference.serve_port), a host that is no address of this node (inference.serve_host)."""
+    from rlhpc.config import ConfigError
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        key = "inference.serve_port" if e.errno == errno.EADDRINUSE else "inference.serve_host"
+        raise ConfigError(f"config key `{key}`: cannot serve on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def context_length(model_dir: str | Path, max_model_len: int = 0) -> int:
