@@ -38,14 +38,21 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None) -> int:
         from rlhpc.cluster.sbatch_launcher import SbatchLauncher as Launcher  # type: ignore[no-redef]
     launcher = Launcher(cfg)
     fit = memory.plan(cfg)  # the device mesh and the memory per GPU; refused when it cannot fit or divide
+    # Slurm's own verdict on the job (sbatch --test-only), where Slurm answers: a partition that does not exist, more
+    # nodes than it has, ... (None for the local launcher, a job only written, or no Slurm here).
+    slurm = launcher.test_allocation() if cfg.launcher.submit or cfg.dry_run else None
     if cfg.dry_run:
         print(fit.placed_in(launcher.plan()))
+        if slurm:  # a plan may be made on a machine whose Slurm is not the cluster's: told, not refused
+            print(f"  note: {slurm}")
         if fit.refusal:
             print(f"error: {fit.refusal}", file=sys.stderr)
             return 2
         return 0
     if fit.refusal:
         raise ConfigError(fit.refusal)
+    if slurm:
+        raise ConfigError(slurm)
     run = prepare_run_dir(cfg)
     return launcher.start(run)
 
@@ -61,11 +68,19 @@ def main() -> None:
         from hydra.core.hydra_config import HydraConfig
 
         try:
+            check_sweep_run_dir(list(HydraConfig.get().overrides.task))
+        except ConfigError as e:  # every point would fail alike: the sweep ends at its first
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        try:
             cfg = config_mod.to_typed(dcfg)
             code = launch(cfg, list(HydraConfig.get().overrides.task))
         except (ConfigError, RunDirError) as e:
             print(f"error: {e}", file=sys.stderr)
             code = 2
+        except KeyboardInterrupt:  # Ctrl-C before anything runs (the launchers handle it once they follow a run)
+            print("\ninterrupted: nothing was started", file=sys.stderr)
+            code = 130
         except Exception as e:  # noqa: BLE001 - a wrong type that only the typed merge sees
             from omegaconf.errors import OmegaConfBaseException
 
@@ -76,12 +91,35 @@ def main() -> None:
         if code:
             from hydra.types import RunMode
 
-            if HydraConfig.get().mode == RunMode.MULTIRUN:  # one bad point does not end the sweep
+            if HydraConfig.get().mode == RunMode.MULTIRUN and code != 130:  # one bad point does not end the sweep
                 print(f"sweep point {HydraConfig.get().job.num} failed with code {code}", file=sys.stderr)
+                FAILED_POINTS.append(HydraConfig.get().job.num)
                 return
-            sys.exit(code)
+            sys.exit(code)  # Ctrl-C (130) ends a sweep too
 
     _main()
+    if FAILED_POINTS:  # the sweep ran every point; its exit code says that some failed
+        print(f"sweep: point(s) {', '.join(map(str, FAILED_POINTS))} failed", file=sys.stderr)
+        sys.exit(1)
+
+
+def check_sweep_run_dir(overrides: List[str]) -> None:
+    """In a sweep, a run_dir given on the command line must differ per point (e.g. contain ${hydra:job.num}); by
+    default each point gets its own (conf/config.yaml)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    fixed = [o for o in overrides if o.startswith("run_dir=") and "${" not in o]
+    if fixed:
+        raise ConfigError(f"config key `run_dir`: every point of this sweep would write {fixed[0][8:]}; leave run_dir "
+                          "out (each point gets a folder of its own) or make it differ per point, e.g. "
+                          "run_dir=runs/sweep/${hydra:job.num}")
+
+
+# The sweep points (Hydra multirun) that failed, for the sweep's exit code.
+FAILED_POINTS: List[int] = []
 
 
 if __name__ == "__main__":

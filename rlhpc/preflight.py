@@ -11,6 +11,7 @@ mistake costs seconds at the terminal, not a queue wait and a failed job. Every 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -352,6 +353,7 @@ def prepare_run_dir(cfg: Config) -> RunDir:
     elif run.root.exists() and any(run.root.iterdir()) and not run.config.exists():
         raise RunDirError(f"run_dir={run.root} is not empty and is not an rlhpc run directory; choose another run_dir")
     elif run.config.exists():
+        check_not_running(run)
         check_resume(run, cfg)
     try:
         run.make()
@@ -361,6 +363,36 @@ def prepare_run_dir(cfg: Config) -> RunDir:
         stale.unlink(missing_ok=True)
     config_mod.save(cfg, run.config)
     return run
+
+
+def check_not_running(run: RunDir) -> None:
+    """Refuses a run directory that a live run still writes: a Slurm job of the run (jobs.json) that has not ended (the
+    job this process runs in excepted: sbatch/rlhpc.sbatch launches inside its job, again after a requeue), or roles
+    of a local launch alive on this machine. Two runs in one directory would quarantine each other's rollouts and mix
+    their logs and checkpoints."""
+    from rlhpc.cluster.slurm_jobs import FINAL, query, recorded_jobs
+
+    own = os.environ.get("SLURM_JOB_ID")
+    for entry in recorded_jobs(run, {}):
+        job = str(entry.get("job_id", ""))
+        if not job or job == own:
+            continue
+        state = query(job)
+        if state.components and not state.final and state.state not in FINAL:
+            raise RunDirError(f"run_dir={run.root} is being written by Slurm job {job} ({state.state}): let it end, or "
+                              f"`scancel {job}`, before launching into it again; or choose another run_dir")
+    host = os.uname().nodename
+    for name, beat in run.heartbeats({}).items():
+        pid = beat.get("pid")
+        if beat.get("host") != host or not isinstance(pid, int) or time.time() - beat.get("time", 0) > 300:
+            continue
+        try:
+            alive = b"rlhpc.role" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            alive = False
+        if alive:
+            raise RunDirError(f"run_dir={run.root} is being written by a running launch ({name} is pid {pid}): stop it "
+                              "(Ctrl-C in its terminal) before launching into it again; or choose another run_dir")
 
 
 def check_resume(run: RunDir, cfg: Config) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from rlhpc.metrics import bottleneck, busy_by_process
+from rlhpc.procs import tail
 from rlhpc.rundir import (RunDir, free_bytes, is_number, out_of_space_advice, read_json_object, size_text,
                           space_problem)
 from rlhpc.train.evaluation import read_curve
@@ -79,7 +80,7 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
     else:
         out["state"] = "running or not started"
 
-    from rlhpc.cluster.slurm_jobs import recorded_jobs
+    from rlhpc.cluster.slurm_jobs import FINAL, recorded_jobs
 
     jobs = recorded_jobs(run, bad)
     out["jobs"] = []
@@ -94,6 +95,14 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
                        components=[{"job_id": c.job_id, "role": c.role, "state": c.state, "exit_code": c.exit_code,
                                     "nodes": c.nodes, "elapsed": c.elapsed, "reason": c.reason} for c in st.components])
         out["jobs"].append(job)
+
+    last = out["jobs"][-1] if out["jobs"] else None
+    if last and last.get("state") in FINAL and out["state"] not in ("finished", "failed"):
+        # The files say nothing ended (a cancelled job, one that failed before any role wrote its marker): Slurm does.
+        out["state"] = f"stopped: its Slurm job {last['job_id']} ended {last['state']}"
+        batch_log = run.logs / f"slurm-{last['job_id']}.out"
+        if batch_log.exists() and last["state"] != "CANCELLED":
+            out["batch_log"] = {"log": str(batch_log), "log_tail": tail(batch_log, 20)}
 
     rows = _metrics_tail(run.logs / "trainer-0.metrics.jsonl", run=run, bad=bad)
     heartbeats = run.heartbeats(bad)
@@ -218,6 +227,8 @@ def render(info: Dict[str, Any]) -> str:
         f = info["failure"]
         lines += [f"failed:  {f.get('role')} rank {f.get('rank')}: {f.get('error')}",
                   f"--- last lines of {f['log']} ---", f["log_tail"]]
+    if "batch_log" in info and "failure" not in info:
+        lines += [f"--- last lines of {info['batch_log']['log']} ---", info["batch_log"]["log_tail"]]
     for path, why in info.get("unreadable", {}).items():
         lines.append(f"unreadable: {path} ({why})")
     if info.get("disk_problem"):

@@ -82,7 +82,7 @@ def test_a_task_outside_a_step_over_both_components_is_told_how_to_start_the_rol
 def test_dry_run_prints_the_plan_and_the_script_and_submits_nothing(tmp_path):
     spy = tmp_path / "bin"
     spy.mkdir()
-    (spy / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path}/sbatch-was-called\n")
+    (spy / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >>{tmp_path}/sbatch-calls\n")
     (spy / "sbatch").chmod(0o755)
     env = dict(os.environ, PATH=f"{spy}{os.pathsep}{os.environ['PATH']}")
     for launcher in ("slurm", "sbatch"):
@@ -97,7 +97,8 @@ def test_dry_run_prints_the_plan_and_the_script_and_submits_nothing(tmp_path):
         assert "weights group: 5 members" in out
         assert "#SBATCH hetjob" in out and "srun --het-group=0,1" in out
         assert not run_dir.exists()
-    assert not (tmp_path / "sbatch-was-called").exists()
+    calls = (tmp_path / "sbatch-calls").read_text().splitlines()  # Slurm's verdict only: sbatch --test-only
+    assert calls and all(c.startswith("--test-only ") for c in calls), calls
 
 
 def composed(*overrides: str):
@@ -456,3 +457,92 @@ def test_a_vllm_instance_over_two_nodes_of_the_job_trains_and_its_follower_ends(
     assert "joining worker 0's instance as node rank 1 of 2" in follower
     assert "the run is done; exiting" in follower
     assert "weights version 3" in (run_dir / "logs" / "inference-0.log").read_text()
+
+
+# ---- what Slurm refuses, a run_dir in use, sweeps, requeues without progress ----------------------------------------
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("overrides, says, keys", [
+    (["cluster.partition=nosuch"], "invalid partition specified: nosuch", "(set by cluster.partition)"),
+    (["cluster.trainer.nodes=8", "trainer.num_ranks=8"], "Requested node configuration is not available",
+     "(set by cluster.trainer.* and cluster.inference.*"),
+])
+def test_a_job_slurm_cannot_run_is_refused_before_anything_is_written(cluster, tmp_path, overrides, says, keys):
+    """sbatch --test-only asks Slurm first: one line with its reason and the keys behind it, exit 2, no run_dir and no
+    job (it used to submit a job that stayed PENDING forever, or exit 1 with sbatch's error printed twice)."""
+    run_dir = tmp_path / "run"
+    proc = launch(*SMALL, *ON_CLUSTER, f"cluster.job_name={cluster.name}", *overrides, f"run_dir={run_dir}",
+                  cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: Slurm refuses this job (sbatch --test-only): ") and says in line and keys in line
+    assert not run_dir.exists()
+    assert _slurm("squeue", f"--name={cluster.name}", "-h").strip() == ""
+    dry = launch(*SMALL, *ON_CLUSTER, *overrides, f"run_dir={run_dir}", "dry_run=true", cwd=tmp_path, timeout=120)
+    assert dry.returncode == 0 and f"  note: Slurm refuses this job (sbatch --test-only): " in dry.stdout
+
+
+@pytest.mark.slurm
+def test_a_run_dir_whose_job_has_not_ended_is_not_launched_into_again(cluster, tmp_path):
+    """A second launch would have submitted a second job writing the same run_dir (its trainer quarantined the first
+    job's rollouts as 'from the future'); once the job is cancelled, the status says so, not 'waiting to be
+    requeued'."""
+    run_dir = cluster.track(tmp_path / "run")
+    first = launch(*SMALL, *ON_CLUSTER, f"cluster.job_name={cluster.name}", "trainer.steps=50", "sft.steps=500",
+                   f"run_dir={run_dir}", cwd=tmp_path, timeout=120)
+    assert first.returncode == 0, first.stderr
+    (job_id,) = cluster.job_ids(run_dir)
+    again = launch(*SMALL, *ON_CLUSTER, f"cluster.job_name={cluster.name}", "trainer.steps=50", "sft.steps=500",
+                   f"run_dir={run_dir}", cwd=tmp_path, timeout=120)
+    assert again.returncode == 2
+    assert re.fullmatch(rf"error: run_dir={re.escape(str(run_dir))} is being written by Slurm job {job_id} "
+                        rf"\((PENDING|RUNNING)\): let it end, or `scancel {job_id}`, before launching into it again; or "
+                        r"choose another run_dir", again.stderr.strip()), again.stderr
+    assert cluster.job_ids(run_dir) == [job_id]
+    _slurm("scancel", job_id)
+    wait_final(job_id, timeout=60)
+    assert f"state:   stopped: its Slurm job {job_id} ended CANCELLED" in status(run_dir)
+
+
+def test_a_sweep_with_one_run_dir_for_every_point_is_refused_and_a_failed_point_fails_the_sweep(tmp_path):
+    proc = launch("-m", *SMALL, "run_dir=" + str(tmp_path / "one"), "algo.temperature=0.7,1.0",
+                  f"hydra.sweep.dir={tmp_path / 'sweep'}", "dry_run=true", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: config key `run_dir`: every point of this sweep would write {tmp_path / 'one'}; "
+                                   "leave run_dir out (each point gets a folder of its own) or make it differ per "
+                                   "point, e.g. run_dir=runs/sweep/${hydra:job.num}")
+    mixed = launch("-m", *SMALL, "model.arch=qwen3,qwen4", f"hydra.sweep.dir={tmp_path / 'sweep2'}", "dry_run=true",
+                   cwd=tmp_path, timeout=120)
+    assert mixed.returncode == 1, mixed.stderr  # it used to exit 0
+    assert "sweep point 1 failed with code 2" in mixed.stderr and "sweep: point(s) 1 failed" in mixed.stderr
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_requeue_that_makes_no_progress_is_not_repeated(cluster, tmp_path):
+    """Signalled twice during the warm start (as a time limit shorter than start-up and warm start does, every
+    attempt): the first signal requeues, the second, at the same step, ends the job FAILED saying why, instead of
+    requeueing forever."""
+    run_dir = cluster.track(tmp_path / "run")
+    proc = launch(*SMALL, *ON_CLUSTER, f"cluster.job_name={cluster.name}", "sft.steps=5000", "trainer.steps=10",
+                  f"run_dir={run_dir}", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (job_id,) = cluster.job_ids(run_dir)
+    sft = run_dir / "status" / "trainer-0.json"
+
+    def in_sft(restart: int):
+        log = run_dir / "logs" / f"slurm-{job_id}.out"
+        started = log.exists() and log.read_text().count(f"rlhpc: job {job_id} (restart {restart})") > 0
+        return started and sft.exists() and '"phase": "sft"' in sft.read_text() and time.time() - sft.stat().st_mtime < 5
+
+    for restart in (0, 1):
+        wait_for(f"attempt {restart} in its warm start", lambda: in_sft(restart), timeout=180)
+        sft.unlink()  # the next attempt's heartbeat, not this one's, tells it is warm-starting
+        _slurm("scancel", "--signal=USR1", "--batch", job_id)
+    rows = wait_final(job_id, timeout=180)
+    assert {state for _, state, _ in rows.values()} == {"FAILED"}
+    batch_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert batch_log.count("requeueing job") == 1
+    assert f"rlhpc: this attempt stopped at step 0, where the last requeue left off: no progress, so job {job_id} is " \
+           "not requeued again" in batch_log

@@ -250,13 +250,28 @@ while true; do  # a trap ends `wait` early: wait again until srun itself has end
 done
 
 if [[ -f "$status/REQUEUE" ]]; then
-    if [[ $RLHPC_REQUEUE == 1 && $signalled != TERM ]]; then
+    # A requeue that would resume where the last one did (the step of REQUEUE unchanged) makes no progress: the
+    # allocation is too short for the start-up, the warm start (it starts over after a requeue) and a step.
+    step=$(tr -d '\n ' <"$status/REQUEUE" | sed -n 's/.*"step":\([0-9]*\).*/\1/p')
+    last=$(cat "$status/requeued_at_step" 2>/dev/null)
+    if [[ $RLHPC_REQUEUE == 1 && $signalled != TERM && -n $step && $step == "$last" ]]; then
+        echo "rlhpc: this attempt stopped at step $step, where the last requeue left off: no progress, so job" \
+             "$SLURM_JOB_ID is not requeued again. The time from the start to the signal (cluster.time_min minus" \
+             "cluster.grace_s, and Slurm may signal up to 60 s early) is too short for the start-up, the warm start" \
+             "and a checkpoint: raise cluster.time_min or lower cluster.grace_s, then resume with" \
+             "sbatch $RLHPC_RUN_DIR/job.sbatch" >&2
+        rm -f "$status/REQUEUE" "$status/requeued_at_step"
+        exit 1
+    elif [[ $RLHPC_REQUEUE == 1 && $signalled != TERM ]]; then
         echo "rlhpc: the trainer checkpointed ($(tr -d '\n ' <"$status/REQUEUE")); requeueing job $SLURM_JOB_ID" >&2
         rm -f "$status/REQUEUE"
+        echo "$step" >"$status/requeued_at_step"
         scontrol requeue "$SLURM_JOB_ID" && exit 0
         echo "rlhpc: scontrol requeue $SLURM_JOB_ID failed; resubmit to resume: sbatch $RLHPC_RUN_DIR/job.sbatch" >&2
     elif [[ $signalled != TERM ]]; then
         echo "rlhpc: the trainer checkpointed; cluster.requeue is off: resume with sbatch $RLHPC_RUN_DIR/job.sbatch" >&2
+    else  # cancelled (or preempted: Slurm requeues such a job itself): no requeue of ours is coming
+        rm -f "$status/REQUEUE"
     fi
 elif [[ $rc != 0 ]]; then
     echo "rlhpc: the roles ended with exit code $rc" >&2

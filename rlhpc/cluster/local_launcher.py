@@ -67,6 +67,10 @@ class LocalLauncher:
         self.restarts: dict = {}  # name of an inference worker or follower -> times restarted
         self.env: dict = {}  # added to every role's environment (attached workers: rlhpc.cluster.attach)
 
+    def test_allocation(self) -> None:
+        """Nothing to ask a scheduler: local processes (SlurmLauncher.test_allocation)."""
+        return None
+
     def plan(self) -> str:
         c = self.cfg
         return (

@@ -15,7 +15,10 @@ point and prints a table of them (`SweepCallback`, a Hydra callback set in conf/
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -40,6 +43,25 @@ class SubmissionError(RuntimeError):
     pass
 
 
+def _keys_for(refusal: str) -> str:
+    """The config keys behind what Slurm refused, by the words of its message."""
+    text = refusal.lower()
+    if "partition" in text and ("invalid" in text or "not available" in text and "node" not in text):
+        return "set by cluster.partition"
+    if "account" in text:
+        return "set by cluster.account"
+    if "qos" in text:
+        return "set by cluster.qos"
+    if "time limit" in text:
+        return "set by cluster.time_min, cluster.trainer.time_min or cluster.inference.time_min"
+    if "gres" in text or "gpu" in text:
+        return "set by cluster.trainer.gpus_per_node or cluster.inference.gpus_per_node"
+    if "memory" in text or "mem" in text:
+        return "set by cluster.trainer.mem_gb or cluster.inference.mem_gb"
+    return ("set by cluster.trainer.* and cluster.inference.* (nodes, gpus_per_node, cpus_per_task, mem_gb, extra), "
+            "cluster.partition, and trainer.num_ranks and inference.num_workers, which size the tasks")
+
+
 class SlurmLauncher:
     name = "slurm"
 
@@ -55,6 +77,23 @@ class SlurmLauncher:
             head, sep, script = text.partition("\n\n----- job script -----")
             text = "\n".join([head] + pd) + sep + script
         return text
+
+    def test_allocation(self) -> Optional[str]:
+        """Slurm's refusal of the job as planned (`sbatch --test-only` on its script: a partition that does not exist,
+        more nodes or memory than a partition has, ...), naming the config keys that set what it refused; None when
+        Slurm would run it, or when no Slurm answers here."""
+        with tempfile.NamedTemporaryFile("w", suffix=".sbatch", delete=False) as f:
+            f.write(render_script(self.job, self.cfg.exp_name))
+        try:
+            proc = subprocess.run(["sbatch", "--test-only", f.name], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return None  # no sbatch here, or no controller answering: the submission will say
+        finally:
+            os.unlink(f.name)
+        said = " ".join(line.strip() for line in proc.stderr.splitlines() if line.strip())
+        if proc.returncode == 0 or not said or "Unable to contact slurm controller" in said:
+            return None
+        return f"Slurm refuses this job (sbatch --test-only): {said} ({_keys_for(said)})"
 
     # ---- submission ----------------------------------------------------------------------------------------------
 
@@ -77,13 +116,18 @@ class SlurmLauncher:
         script.write_text(render_script(self.job, self.cfg.exp_name))
         if not self.cfg.launcher.submit:
             return self.prepared_only(run, script)
+        # Ctrl-C while sbatch runs could end it after it submitted the job but before the id is known and recorded:
+        # ignored until then, by sbatch too (it inherits the ignored signal). The submission takes about a second.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             job_id = self.submit(run, script)
+            slurm_jobs.record_job(run, {"job_id": job_id, "name": self.job.name, "launcher": self.name,
+                                        "submitted": time.time(), "script": str(script)})
         except SubmissionError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        slurm_jobs.record_job(run, {"job_id": job_id, "name": self.job.name, "launcher": self.name,
-                                    "submitted": time.time(), "script": str(script)})
+        finally:
+            signal.signal(signal.SIGINT, previous)
         SUBMITTED.append({"job_id": job_id, "run_dir": str(run.root), "overrides": _sweep_overrides()})
         g0, g1 = self.job.trainer, self.job.inference
         print(
