@@ -10,7 +10,11 @@ plus one greedy episode each (`eval.greedy`), through the HTTP token endpoint of
 running (`eval.run`: a run directory that serves; `eval.endpoint` + `eval.token`). Episodes are rlhpc's own
 (rlhpc.env.episode), so multi-turn and tool-using environments run exactly as in training. A sample passes when its
 reward is at least `eval.pass_threshold`. Prints a JSON report (pass@1, pass@k, mean reward, greedy reward, per task)
-and writes it to `eval.report` when set.
+and then writes it to `eval.report` when set.
+
+Values that cannot work (eval.k, eval.temperature, eval.concurrency, an eval.report that cannot be written, a
+model.path without a tokenizer) are refused in one line naming the key before anything loads (exit 2); a server that
+stops answering mid-evaluation ends it in one line naming the server's key (exit 1).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-from rlhpc.config import Config, EvalConfig
+from rlhpc.config import Config, ConfigError, EvalConfig, need
 
 log = logging.getLogger("rlhpc.eval")
 
@@ -58,6 +62,60 @@ class EvalCommandKeys(EvalConfig):
 @dataclass
 class EvalCommandConfig(Config):
     eval: EvalCommandKeys = field(default_factory=EvalCommandKeys)
+
+
+class ServerFailed(RuntimeError):
+    """The server stopped answering (or failed a request) mid-evaluation: not a config error."""
+
+
+def check_keys(cfg: EvalCommandConfig) -> None:
+    """The `eval.*` values that cannot work, refused before anything loads (not after the evaluation ran)."""
+    e = cfg.eval
+    need(e.k >= 1, "eval.k", "must be >= 1")
+    need(math.isfinite(e.temperature) and e.temperature >= 0, "eval.temperature",
+         f"must be a finite number >= 0 (0 is greedy), got {e.temperature}")
+    need(e.concurrency >= 1, "eval.concurrency", f"must be >= 1 (requests in flight at once), got {e.concurrency}")
+    if e.report:
+        check_report(Path(e.report))
+
+
+def check_report(path: Path) -> None:
+    """`eval.report` can be written once the evaluation is done: it is not a folder, and the nearest of its folders
+    that exists takes a new file (the missing ones are created with the report)."""
+    from rlhpc.preflight import one_line
+
+    need(not path.is_dir(), "eval.report", f"{path} is a folder: name a file in it (e.g. {path / 'eval.json'})")
+    folder = path.absolute().parent
+    try:
+        while not folder.exists():
+            folder = folder.parent
+        need(folder.is_dir(), "eval.report", f"{folder} is not a folder")
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".rlhpc-eval-probe-"):
+            pass
+    except OSError as err:
+        problem = err.strerror or one_line(err)
+        raise ConfigError(f"config key `eval.report`: cannot write in {folder}: {problem}") from None
+
+
+def served_tokenizer(path: str | None, key: str):
+    """The tokenizer of a served model's folder: all an evaluation against a running server needs of it (no weights)."""
+    from rlhpc import models
+    from rlhpc.preflight import TOKENIZER_FILES, one_line
+
+    hint = " (the served model's folder; set model.path to a copy of it)" if key == "eval.run" else ""
+    if not path:
+        raise ConfigError(f"config key `{key}`: the server does not say where its model is{hint}")
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"config key `{key}`: {path} is not a folder{hint}")
+    # transformers makes an empty tokenizer from config.json alone: ask for the tokenizer's own files.
+    if not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise ConfigError(f"config key `{key}`: no loadable tokenizer in {path}{hint}: none of "
+                          f"{', '.join(TOKENIZER_FILES)}")
+    try:
+        return models.load_tokenizer(folder)
+    except Exception as err:  # noqa: BLE001 - whatever transformers raises, the message is what the user needs
+        raise ConfigError(f"config key `{key}`: no loadable tokenizer in {path}{hint}: {one_line(err)}") from None
 
 
 def pass_at(n: int, c: int, k: int) -> float:
@@ -96,7 +154,6 @@ def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
 
     from rlhpc import env as env_mod
     from rlhpc import models, preflight
-    from rlhpc.config import ConfigError
     from rlhpc.env.pool import EnvPool
     from rlhpc.infer.engines.remote import RemoteEngine, RemoteEngineError
     from rlhpc.infer.rollout import episodes
@@ -104,17 +161,20 @@ def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
 
     e = cfg.eval
     server, scratch = None, None
-    if cfg.model.path:
+    # Against a running server only the tokenizer of model.path is used (served_tokenizer checks it).
+    if cfg.model.path and not (e.run or e.endpoint):
         preflight.check_model(cfg, trainer=False)
     preflight.check_context(cfg)
     env = env_mod.load(cfg.env)
     if e.run:
         ep = endpoint(e.run, e.worker)
-        url, token, model_dir, key = ep.url, ep.token, cfg.model.path or ep.model_dir, "eval.run"
+        url, token, key = ep.url, ep.token, "eval.run"
+        tokenizer = served_tokenizer(cfg.model.path or ep.model_dir, "model.path" if cfg.model.path else "eval.run")
     elif e.endpoint:
         if not cfg.model.path:
-            raise ValueError("config key `model.path`: eval.endpoint needs the served model's folder (its tokenizer)")
-        url, token, model_dir, key = e.endpoint, e.token or None, cfg.model.path, "eval.endpoint"
+            raise ConfigError("config key `model.path`: eval.endpoint needs the served model's folder (its tokenizer)")
+        url, token, key = e.endpoint, e.token or None, "eval.endpoint"
+        tokenizer = served_tokenizer(cfg.model.path, "model.path")
     else:
         from rlhpc.serve import start
 
@@ -128,10 +188,11 @@ def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
         except BaseException:
             scratch.cleanup()
             raise
-        url, model_dir, key = server.url, str(path), ""
+        url, key, tokenizer = server.url, "", None
     try:
+        if tokenizer is None:  # the server started here serves `path`
+            tokenizer = models.load_tokenizer(path)
         tasks = list(islice(env.tasks("eval", 0), cfg.eval.num_tasks))
-        tokenizer = models.load_tokenizer(model_dir)
         try:
             engine = RemoteEngine(url, token, concurrency=e.concurrency)
         except (httpx.TransportError, RemoteEngineError) as err:
@@ -141,6 +202,12 @@ def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
         try:
             sampled = episodes(engine, env, pool, tokenizer, tasks, e.k, e.temperature, cfg.env)
             greedy = episodes(engine, env, pool, tokenizer, tasks, 1, 1.0, cfg.env, greedy=True) if e.greedy else None
+        except (httpx.TransportError, RemoteEngineError) as err:
+            # A server killed or stopped mid-evaluation (or failing a request): one line, not a traceback per thread.
+            which = f"`{key}`" if key else "the server started here over model.path"
+            problem = (f"the server at {url} stopped answering: {preflight.one_line(err)}"
+                       if isinstance(err, httpx.TransportError) else str(err))
+            raise ServerFailed(f"{which}: {problem} (no report)") from None
         finally:
             pool.close()
             engine.close()
@@ -178,19 +245,28 @@ def main() -> None:
         try:
             cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EvalCommandConfig), dcfg))
             config_mod.validate(cfg)
-            config_mod.need(cfg.eval.k >= 1, "eval.k", "must be >= 1")
+            check_keys(cfg)
             out = evaluate(cfg)
         except (config_mod.ConfigError, ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-        if cfg.eval.report:
-            Path(cfg.eval.report).parent.mkdir(parents=True, exist_ok=True)
-            write_json(Path(cfg.eval.report), out)
-        print(json.dumps(out, indent=1))
+        except ServerFailed as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(1)
+        # Printed first: a report that cannot be written after all (a full disk) loses nothing.
+        print(json.dumps(out, indent=1), flush=True)
         k = out["k"]
-        print(f"{out['env']}: pass@1 {out['pass@1']:.3f}  pass@{k} {out[f'pass@{k}']:.3f}  "
-              f"mean reward {out['mean_reward']:.3f}"
+        print(f"{out['env']}: pass@1 {out['pass@1']:.3f}" + (f"  pass@{k} {out[f'pass@{k}']:.3f}" if k > 1 else "")
+              + f"  mean reward {out['mean_reward']:.3f}"
               + (f"  greedy {out['greedy_reward']:.3f}" if "greedy_reward" in out else ""), file=sys.stderr)
+        if cfg.eval.report:
+            try:
+                Path(cfg.eval.report).parent.mkdir(parents=True, exist_ok=True)
+                write_json(Path(cfg.eval.report), out)
+            except OSError as e:
+                print(f"error: config key `eval.report`: the report (printed above) was not written: "
+                      f"{preflight.one_line(e)}", file=sys.stderr)
+                sys.exit(1)
 
     _run()
 

@@ -2,9 +2,9 @@
 
 rlhpc's own episodes (rlhpc.env.episode: turns, tools, replies, token-exact trajectories) run against a server exactly
 as against an in-process engine: prompts go as token ids, completions come back as token ids with their sampling
-logprobs and the weights versions that produced them. Every prompt of a call is its own concurrent request, so the
-server batches them (with other clients') into its engine calls. Used by `rlhpc.eval` against `rlhpc.serve` or a
-training run's workers.
+logprobs and the weights versions that produced them. Every prompt of a call is its own concurrent request (several
+when it asks for more than the server's MAX_N completions), so the server batches them (with other clients') into its
+engine calls. Used by `rlhpc.eval` against `rlhpc.serve` or a training run's workers.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from rlhpc.infer.engines import Completion, Engine
+from rlhpc.infer.server import MAX_N
 
 
 @dataclass
@@ -48,19 +49,24 @@ class RemoteEngine(Engine):
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, max_new_tokens: int,
                  stop_token_ids: Sequence[int], greedy: bool = False) -> List[List[Completion]]:
-        params = {"n": n, "temperature": 0.0 if greedy else temperature, "max_tokens": max_new_tokens,
+        params = {"temperature": 0.0 if greedy else temperature, "max_tokens": max_new_tokens,
                   # The engine contract: stop at these tokens only (the server adds the eos token otherwise).
                   "stop_token_ids": list(stop_token_ids), "ignore_eos": True, "logprobs": 1}
+        # One request per prompt and per MAX_N of its n completions (the most one request may ask), all concurrent.
+        requests = [(i, min(MAX_N, n - done)) for i in range(len(prompts)) for done in range(0, n, MAX_N)]
 
-        def one(prompt: Sequence[int]) -> List[Completion]:
+        def one(request: Tuple[int, int]) -> List[Completion]:
+            i, count = request
             out = self._check(self.client.post("/inference/v1/generate", json={
-                "model": self.model, "token_ids": list(prompt), "sampling_params": params}))
+                "model": self.model, "token_ids": list(prompts[i]), "sampling_params": {**params, "n": count}}))
             lo, hi = out.get("min_weights_version"), out.get("weights_version")
             return [ServedCompletion(list(c["token_ids"]), [e["logprob"] for e in c["logprobs"]["content"]],
                                      "stop" if c["finish_reason"] == "stop" else "length", lo, hi)
                     for c in out["choices"]]
 
-        groups = list(self.pool.map(one, prompts))
+        groups: List[List[Completion]] = [[] for _ in prompts]
+        for (i, _), completions in zip(requests, self.pool.map(one, requests)):
+            groups[i] += completions
         versions = [c.max_version for g in groups for c in g if c.max_version is not None]
         if versions:
             self.version = max([self.version, *versions])
