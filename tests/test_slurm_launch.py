@@ -480,7 +480,7 @@ def test_a_job_slurm_cannot_run_is_refused_before_anything_is_written(cluster, t
     assert not run_dir.exists()
     assert _slurm("squeue", f"--name={cluster.name}", "-h").strip() == ""
     dry = launch(*SMALL, *ON_CLUSTER, *overrides, f"run_dir={run_dir}", "dry_run=true", cwd=tmp_path, timeout=120)
-    assert dry.returncode == 0 and f"  note: Slurm refuses this job (sbatch --test-only): " in dry.stdout
+    assert dry.returncode == 0 and "  note: Slurm refuses this job (sbatch --test-only): " in dry.stdout
 
 
 @pytest.mark.slurm
