@@ -154,6 +154,12 @@ class Batcher:
         self._queue.put(req)
         return req.future
 
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not answered yet."""
+        with self._lock:
+            return len(self._outstanding)
+
     def _answered(self, future: Future) -> None:
         with self._lock:
             self._outstanding.discard(future)
