@@ -133,13 +133,7 @@ def test_a_run_stopped_by_sigterm_resumes_from_its_checkpoint_and_trains_each_gr
     run_dir = tmp_path / "run"
     steps = 60
     args = [sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", f"trainer.steps={steps}"]
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ledger = run_dir / "queue" / "ledger.jsonl"
-    deadline = time.time() + 180
-    while time.time() < deadline and (not ledger.exists() or len(ledger.read_text().splitlines()) < 3):
-        time.sleep(0.1)
-    p.send_signal(signal.SIGTERM)
-    p.communicate(timeout=60)
+    ledger = stop_after(args, run_dir, 3)
     stopped_at = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
     assert 3 <= stopped_at < steps
     assert not (run_dir / "summary.json").exists()
@@ -148,6 +142,23 @@ def test_a_run_stopped_by_sigterm_resumes_from_its_checkpoint_and_trains_each_gr
     assert resumed.returncode == 0, resumed.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_at"] == [stopped_at] and summary["rl_steps"] == steps
+    assert_each_step_and_group_once(ledger, steps)
+
+
+def stop_after(args, run_dir, lines: int):
+    """Starts the launch `args`, and once its ledger has `lines` steps, stops it with SIGTERM (the trainer checkpoints);
+    returns the ledger's path."""
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ledger = run_dir / "queue" / "ledger.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and (not ledger.exists() or len(ledger.read_text().splitlines()) < lines):
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=60)
+    return ledger
+
+
+def assert_each_step_and_group_once(ledger, steps: int):
     entries = [json.loads(line) for line in ledger.read_text().splitlines()]
     assert [e["step"] for e in entries] == list(range(steps))
     uids = [u for e in entries for u in e["groups"]]
@@ -163,13 +174,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one
     steps = 40
     args = [sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", f"trainer.steps={steps}",
             "trainer.checkpoint_interval=2"]
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ledger = run_dir / "queue" / "ledger.jsonl"
-    deadline = time.time() + 180
-    while time.time() < deadline and (not ledger.exists() or len(ledger.read_text().splitlines()) < 5):
-        time.sleep(0.1)
-    p.send_signal(signal.SIGTERM)
-    p.communicate(timeout=60)
+    ledger = stop_after(args, run_dir, 5)
     newest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
     kept = sorted(d.name for d in (run_dir / "checkpoints").glob("step_*"))
     assert len(kept) == 2 and kept[-1] == f"step_{newest:08d}", kept
@@ -184,7 +189,4 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one
     assert f"resuming from the newest whole one, {kept[0]}: the steps after it train again" in resumed.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_at"] == [older] and summary["rl_steps"] == steps
-    entries = [json.loads(line) for line in ledger.read_text().splitlines()]
-    assert [e["step"] for e in entries] == list(range(steps))
-    uids = [u for e in entries for u in e["groups"]]
-    assert len(uids) == len(set(uids))
+    assert_each_step_and_group_once(ledger, steps)
