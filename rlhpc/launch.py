@@ -8,8 +8,10 @@ everywhere.
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import List, Optional
+from pathlib import Path
+from typing import Any, List, Optional
 
 from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
 from rlhpc import config as config_mod
@@ -19,9 +21,11 @@ from rlhpc.config import CONF_DIR, Config, ConfigError
 from rlhpc.preflight import RunDirError, config_key_error, prepare_run_dir
 
 
-def launch(cfg: Config, overrides: Optional[List[str]] = None) -> int:
+def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = False) -> int:
     """Starts (or resumes) the run of `cfg`; with `attach=inference`, adds workers to the run in run_dir instead, taking
-    from the command line (`overrides`, as given) only its inference-side keys (rlhpc.cluster.attach)."""
+    from the command line (`overrides`, as given) only its inference-side keys (rlhpc.cluster.attach). `new_run`: the
+    run_dir is named by the launch's time (the default), so a folder of that name is another launch's (of the same
+    second), and this run takes the next free name instead (preflight.new_run_dir)."""
     if cfg.attach is not None:
         from rlhpc.cluster.attach import attach
 
@@ -53,8 +57,12 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None) -> int:
         raise ConfigError(fit.refusal)
     if slurm:
         raise ConfigError(slurm)
-    run = prepare_run_dir(cfg)
-    return launcher.start(run)
+    if new_run:
+        cfg.run_dir = str(preflight.new_run_dir(Path(cfg.run_dir)))
+        launcher = Launcher(cfg)  # placed in the folder made
+    with preflight.launch_lock(Path(cfg.run_dir)):
+        run = prepare_run_dir(cfg)
+        return launcher.start(run)
 
 
 def main() -> None:
@@ -74,7 +82,7 @@ def main() -> None:
             sys.exit(2)
         try:
             cfg = config_mod.to_typed(dcfg)
-            code = launch(cfg, list(HydraConfig.get().overrides.task))
+            code = launch(cfg, list(HydraConfig.get().overrides.task), new_run=named_by_time(dcfg))
         except (ConfigError, RunDirError) as e:
             print(f"error: {e}", file=sys.stderr)
             code = 2
@@ -101,6 +109,17 @@ def main() -> None:
     if FAILED_POINTS:  # the sweep ran every point; its exit code says that some failed
         print(f"sweep: point(s) {', '.join(map(str, FAILED_POINTS))} failed", file=sys.stderr)
         sys.exit(1)
+
+
+def named_by_time(dcfg: Any) -> bool:
+    """Whether run_dir names a new run by the time of its launch (`${now:...}`: the default, outside sweeps, whose
+    points each get their Hydra job folder)."""
+    from omegaconf import OmegaConf
+
+    from rlhpc.cluster.slurm_launcher import SweepCallback
+
+    raw = OmegaConf.to_container(dcfg, resolve=False).get("run_dir")
+    return isinstance(raw, str) and "${now:" in raw and not os.environ.get(SweepCallback.ENV)
 
 
 def check_sweep_run_dir(overrides: List[str]) -> None:

@@ -5,19 +5,23 @@ mistake costs seconds at the terminal, not a queue wait and a failed job. Every 
 - the environment: `env.name`/`env.cls` resolves and its constructor accepts `env.args`; `env.tool_parser` resolves;
 - the loss: `algo.name` is a registered loss or an importable "package.module:function";
 - the run directory: relaunching an unfinished run with a config that changes training is refused, with the
-  differences listed, unless `resume.allow_config_change=true` (`training_changes`).
+  differences listed, unless `resume.allow_config_change=true` (`training_changes`); so is launching into a run_dir
+  that another launch or a live run writes (`launch_lock`, `check_not_running`).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -349,8 +353,12 @@ def prepare_run_dir(cfg: Config) -> RunDir:
                 f"run_dir={run.root} already holds a finished run (summary.json); pass another run_dir=... "
                 f"or overwrite=true to replace it"
             )
-        shutil.rmtree(run.root)
-    elif run.root.exists() and any(run.root.iterdir()) and not run.config.exists():
+        for p in run.root.iterdir():  # all but the lock this launch holds (launch_lock)
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.name != LAUNCH_LOCK:
+                p.unlink()
+    elif run.root.exists() and any(p.name != LAUNCH_LOCK for p in run.root.iterdir()) and not run.config.exists():
         raise RunDirError(f"run_dir={run.root} is not empty and is not an rlhpc run directory; choose another run_dir")
     elif run.config.exists():
         check_not_running(run)
@@ -363,6 +371,57 @@ def prepare_run_dir(cfg: Config) -> RunDir:
         stale.unlink(missing_ok=True)
     config_mod.save(cfg, run.config)
     return run
+
+
+LAUNCH_LOCK = ".launch.lock"
+
+
+def new_run_dir(path: Path) -> Path:
+    """The folder of a new run named by the time of its launch (the default run_dir, runs/<exp>/<time>), made here:
+    `path`, or when another launch took that name in the same second, the first free one of <name>-2, <name>-3, ...
+    (made with an exclusive mkdir: two launches never get the same folder)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 1000):
+            candidate = path if n == 1 else path.with_name(f"{path.name}-{n}")
+            try:
+                candidate.mkdir()
+                return candidate
+            except FileExistsError:
+                continue
+    except OSError as e:
+        raise RunDirError(f"run_dir={path} cannot be created: {one_line(e)}; choose another run_dir") from None
+    raise RunDirError(f"run_dir={path}: it and 998 numbered variants exist already; choose another run_dir")
+
+
+@contextmanager
+def launch_lock(root: Path) -> Iterator[None]:
+    """Held while this process launches into `root` (a local launch: until its run ends; a Slurm one: until the job is
+    submitted and recorded). A second launch into the same run_dir meanwhile is refused: before the first run's roles
+    beat or its job is recorded, check_not_running cannot see it. The lock (flock on run_dir/.launch.lock) dies with
+    its process; on a filesystem without flock (Lustre mounted without `-o flock`) launches go unguarded."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root / LAUNCH_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        fd = None  # not a folder that can be made: prepare_run_dir says why
+    if fd is None:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                raise RunDirError(f"run_dir={root} is being launched into right now ({holder}): wait for that "
+                                  "launch to end, or choose another run_dir") from None
+            # any other error: no flock on this filesystem
+        yield
+    finally:
+        os.close(fd)
 
 
 def check_not_running(run: RunDir) -> None:
@@ -396,11 +455,12 @@ def check_not_running(run: RunDir) -> None:
 
 
 def check_resume(run: RunDir, cfg: Config) -> None:
-    """An unfinished run that has trained (a warm-started model or a checkpoint) resumes only with the config it
-    trained with, as far as training goes (rlhpc.preflight.RUNTIME_KEYS may change)."""
+    """An unfinished run that has trained (a warm-started model, a stopped warm start's state or a checkpoint) resumes
+    only with the config it trained with, as far as training goes (rlhpc.preflight.RUNTIME_KEYS may change)."""
     from omegaconf import OmegaConf
 
-    if not ((run.model / "READY").exists() or (run.checkpoints / "latest.json").exists()):
+    if not ((run.model / "READY").exists() or (run.checkpoints / "latest.json").exists()
+            or (run.sft_state / "state.json").exists()):
         return  # nothing trained yet: a relaunch after a failed start may change anything
     damaged = weights_problem(run.model) if (run.model / "READY").exists() else None  # every role resumes from it
     if damaged:

@@ -241,6 +241,12 @@ class RunDir:
         return self.root / "model"
 
     @property
+    def sft_state(self) -> Path:
+        """Where a warm start stopped before its end (a preemption, a time limit) keeps its model, optimizer and step,
+        to go on from on requeue (rlhpc.train.warmstart); removed once the warm start is done."""
+        return self.root / "sft_state"
+
+    @property
     def summary(self) -> Path:
         return self.root / "summary.json"
 

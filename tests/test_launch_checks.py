@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -282,3 +283,45 @@ def test_a_refused_resume_is_reported_by_the_launch_command(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: run_dir=") and "algo.clip_high" in proc.stderr
     assert "algo.name: 'grpo' -> 'poison_loss:nan_grpo'" in proc.stderr
+
+
+def write_job(cwd, *overrides):
+    """A launch that only writes its Slurm job (launcher.submit=false): the whole launch path, nothing started."""
+    return subprocess.run([sys.executable, "-m", "rlhpc.launch", "+exp=reverse_text", "launcher=sbatch",
+                           "launcher.submit=false", *overrides], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def test_launches_named_by_the_same_second_get_folders_of_their_own(tmp_path):
+    # The default run_dir is runs/<exp>/<time to the second>: two launches in one second (a script starting runs in
+    # the background) would share it. A year-long "second" makes the collision certain.
+    procs = [write_job(tmp_path, "run_dir=runs/${now:%Y}") for _ in range(2)]
+    assert all(p.returncode == 0 for p in procs), [p.stderr for p in procs]
+    year = time.strftime("%Y")
+    for p, name in zip(procs, [year, f"{year}-2"]):
+        run_dir = tmp_path / "runs" / name
+        assert f"wrote {run_dir}/job.sbatch" in p.stdout
+        assert f"export RLHPC_RUN_DIR={run_dir}\n" in (run_dir / "job.sbatch").read_text()
+        assert OmegaConf.load(run_dir / "config.yaml").run_dir == f"runs/{name}"
+    default = write_job(tmp_path)
+    assert default.returncode == 0, default.stderr
+    assert len(list((tmp_path / "runs" / "reverse_text").iterdir())) == 1
+
+
+def test_a_run_dir_given_by_name_is_never_renamed_and_a_launch_into_it_meanwhile_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    assert write_job(tmp_path, f"run_dir={run_dir}").returncode == 0
+    with preflight.launch_lock(run_dir):  # another launch is writing it now
+        proc = write_job(tmp_path, f"run_dir={run_dir}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: run_dir={run_dir} is being launched into right now (pid {os.getpid()} on "
+                                   f"{os.uname().nodename}): wait for that launch to end, or choose another run_dir")
+    assert write_job(tmp_path, f"run_dir={run_dir}").returncode == 0  # relaunched once the other has ended
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_new_run_dirs_are_made_exclusively(tmp_path):
+    made = [preflight.new_run_dir(tmp_path / "runs" / "x") for _ in range(3)]
+    assert [p.name for p in made] == ["x", "x-2", "x-3"] and all(p.is_dir() for p in made)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(RunDirError, match=r"afile/x cannot be created: .*; choose another run_dir"):
+        preflight.new_run_dir(tmp_path / "afile" / "x")

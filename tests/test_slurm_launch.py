@@ -521,24 +521,26 @@ def test_a_sweep_with_one_run_dir_for_every_point_is_refused_and_a_failed_point_
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_a_requeue_that_makes_no_progress_is_not_repeated(cluster, tmp_path):
-    """Signalled twice during the warm start (as a time limit shorter than start-up and warm start does, every
-    attempt): the first signal requeues, the second, at the same step, ends the job FAILED saying why, instead of
-    requeueing forever."""
+    """Signalled twice before the first step (as a time limit shorter than start-up and a step does, every attempt;
+    here the step waits for more rollouts than come): the first signal requeues, the second, at the same step, ends
+    the job FAILED saying why, instead of requeueing forever. (A warm start makes progress with each SFT step it
+    saves: tests/test_sft_resume.py.)"""
     run_dir = cluster.track(tmp_path / "run")
-    proc = launch(*SMALL, *ON_CLUSTER, f"cluster.job_name={cluster.name}", "sft.steps=5000", "trainer.steps=10",
-                  f"run_dir={run_dir}", cwd=tmp_path, timeout=120)
+    proc = launch(*SMALL, *ON_CLUSTER, f"cluster.job_name={cluster.name}", "trainer.groups_per_step=5000",
+                  "trainer.steps=10", f"run_dir={run_dir}", cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     (job_id,) = cluster.job_ids(run_dir)
-    sft = run_dir / "status" / "trainer-0.json"
+    progress = run_dir / "queue" / "progress.json"  # written by the trainer once it is in RL, claiming
 
-    def in_sft(restart: int):
+    def started(restart: int):
         log = run_dir / "logs" / f"slurm-{job_id}.out"
-        started = log.exists() and log.read_text().count(f"rlhpc: job {job_id} (restart {restart})") > 0
-        return started and sft.exists() and '"phase": "sft"' in sft.read_text() and time.time() - sft.stat().st_mtime < 5
+        return log.exists() and f"rlhpc: job {job_id} (restart {restart})" in log.read_text()
 
     for restart in (0, 1):
-        wait_for(f"attempt {restart} in its warm start", lambda: in_sft(restart), timeout=180)
-        sft.unlink()  # the next attempt's heartbeat, not this one's, tells it is warm-starting
+        wait_for(f"attempt {restart} to start", lambda: started(restart), timeout=180)
+        since = time.time()
+        wait_for(f"attempt {restart} to claim step 0", lambda: progress.exists() and progress.stat().st_mtime > since,
+                 timeout=180)
         _slurm("scancel", "--signal=USR1", "--batch", job_id)
     rows = wait_final(job_id, timeout=180)
     assert {state for _, state, _ in rows.values()} == {"FAILED"}

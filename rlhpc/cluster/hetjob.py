@@ -250,9 +250,11 @@ while true; do  # a trap ends `wait` early: wait again until srun itself has end
 done
 
 if [[ -f "$status/REQUEUE" ]]; then
-    # A requeue that would resume where the last one did (the step of REQUEUE unchanged) makes no progress: the
-    # allocation is too short for the start-up, the warm start (it starts over after a requeue) and a step.
+    # A requeue that would resume where the last one did (the step of REQUEUE unchanged, and the SFT step of a warm
+    # start stopped before its end) makes no progress: the allocation is too short for the start-up and a step.
     step=$(tr -d '\n ' <"$status/REQUEUE" | sed -n 's/.*"step":\([0-9]*\).*/\1/p')
+    sft=$(tr -d '\n ' <"$status/REQUEUE" | sed -n 's/.*"sft_step":\([0-9]*\).*/\1/p')
+    [[ -n $step && -n $sft ]] && step="$step (SFT step $sft)"
     last=$(cat "$status/requeued_at_step" 2>/dev/null)
     if [[ $RLHPC_REQUEUE == 1 && $signalled != TERM && -n $step && $step == "$last" ]]; then
         echo "rlhpc: this attempt stopped at step $step, where the last requeue left off: no progress, so job" \

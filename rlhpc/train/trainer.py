@@ -26,7 +26,8 @@ from rlhpc import models
 from rlhpc.config import Config
 from rlhpc.identity import Identity
 from rlhpc.metrics import Metrics, busy_by_process
-from rlhpc.rundir import RunDir, wait_for, write_json
+from rlhpc.preflight import one_line
+from rlhpc.rundir import RunDir, read_json, wait_for, write_json
 from rlhpc.stop import Stop, stop_requested
 from rlhpc.train import checkpoint, publish
 from rlhpc.train.claims import Claims
@@ -92,11 +93,29 @@ class Trainer:
         try:
             self.summary = start_model(self.cfg, self.run, self.env, self.metrics, self.rank)
         except Stop:
-            log.warning("stop requested (%s) during the warm start; it restarts on requeue", stop_requested())
+            # The warm start saved its state after its last step (run_dir/sft_state), if it had taken one.
+            log.warning("stop requested (%s) during the warm start; the requeued run goes on with it", stop_requested())
             if self.is_main:
-                write_json(self.run.status / "REQUEUE", {"step": 0, "signal": stop_requested(), "time": time.time()})
+                try:
+                    sft = (read_json(self.run.sft_state / "state.json") or {}).get("step", 0)
+                except ValueError:
+                    sft = 0
+                write_json(self.run.status / "REQUEUE", {"step": 0, "sft_step": sft, "signal": stop_requested(),
+                                                         "time": time.time()})
             return "requeue"
-        start = self.start()
+        try:
+            start = self.start()
+        except Exception as e:
+            if not stop_requested():
+                raise
+            # A stop signal reaches every role at once: workers that leave while the weights group forms, say, fail
+            # the start. Nothing was trained since the checkpoint it was starting from: requeue, do not fail the run.
+            step = self.resume_step()
+            log.warning("stop requested (%s) while starting (%s); the requeued run resumes at step %d",
+                        stop_requested(), one_line(e), step)
+            if self.is_main:
+                write_json(self.run.status / "REQUEUE", {"step": step, "signal": stop_requested(), "time": time.time()})
+            return "requeue"
         t_rl = time.time()
         for step in range(start, self.cfg.trainer.steps):
             if stop_requested():
@@ -142,6 +161,11 @@ class Trainer:
         if start > 0:  # workers start from run_dir/model (version 0): bring them to the resumed version
             self.publish(start)
         return start
+
+    def resume_step(self) -> int:
+        """The step the run resumes at: its newest whole checkpoint's (0 without one)."""
+        path, _ = checkpoint.resumable(self.run.checkpoints)
+        return int(path.name.split("_")[-1]) if path is not None else 0
 
     def report(self, step: int, claim: Claim, stats: Dict[str, float]) -> None:
         """Rank 0, once version step + 1 is out: the ledger, metrics and heartbeat (with the newest held-out reward

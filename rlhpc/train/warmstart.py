@@ -4,15 +4,23 @@ Before RL, trainer rank 0 makes run_dir/model, the Hugging Face folder RL starts
 warm start's results; the other ranks wait for it. A relaunched run finds READY and warm-starts no more. The warm start
 evaluates on its own model (the held-out reward before and after SFT; the latter is the curve's version 0 in
 run_dir/evals/) and lets that model go before RL builds its own.
+
+A warm start asked to stop (a preemption, a time limit, Ctrl-C) saves its state after the step it is in, in
+run_dir/sft_state/: the model, the optimizer, the steps done and their losses, the held-out reward before SFT. The
+requeued run goes on from there and trains exactly what an uninterrupted one would have (the task stream is
+deterministic and skipped to the step; SFT samples nothing).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
+import shutil
 import time
 from itertools import islice
-from typing import Callable, Dict, List, Optional, Tuple
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -50,23 +58,28 @@ def start_model(cfg: Config, run: RunDir, env: Environment, metrics: Optional[Me
 
 
 def warm_start(cfg: Config, run: RunDir, env: Environment, metrics: Metrics, rank: int) -> Dict:
-    """SFT from the base model (built from `model` when `model.path` is empty) into run_dir/model; the held-out reward
-    before and after, and the SFT steps and time."""
+    """SFT from the base model (built from `model` when `model.path` is empty) into run_dir/model, or on from the state
+    a stopped warm start saved (run_dir/sft_state); the held-out reward before and after, and the SFT steps and time.
+    Raises Stop, after saving that state, when asked to stop."""
     base = cfg.model.path or str(models.build(cfg.model, run.root / "base_model"))
     if cfg.sft.steps == 0:
         # Nothing to train: RL starts from the base checkpoint's files as they are, and no full model is loaded
         # here; inference worker 0 measures the starting held-out reward (version 0) with its engine.
         models.copy_checkpoint(base, run.model)
         return {"sft_steps": 0, "sft_wall_time_s": 0.0}
-    model, tok = models.load_model(base, cfg.model.dtype), models.load_tokenizer(base)
+    saved = load_state(run.sft_state)
+    model = models.load_model(str(run.sft_state / "model") if saved else base, cfg.model.dtype)
+    tok = models.load_tokenizer(base)
     engine = HFEngine(model, tok.pad_token_id)
     tasks = heldout_tasks(env, cfg)
-    out: Dict = {"heldout_reward_base": evaluate(engine, env, tok, tasks, cfg.env)}
-    t0 = time.time()
+    if saved:
+        out: Dict = {"heldout_reward_base": saved["heldout_reward_base"]}
+        log.info("warm start: going on from SFT step %d (%s)", saved["step"], run.sft_state)
+    else:
+        out = {"heldout_reward_base": evaluate(engine, env, tok, tasks, cfg.env)}
+    t0 = time.time() - (saved["wall_time_s"] if saved else 0.0)
 
     def on_step(s: int, loss: float) -> None:
-        if stop_requested():
-            raise Stop(stop_requested())
         metrics.log(s + 1, {"sft/loss": loss})
         if s % 20 == 0:
             run.heartbeat("trainer", rank, phase="sft", sft_step=s, sft_steps=cfg.sft.steps, loss=loss)
@@ -74,7 +87,14 @@ def warm_start(cfg: Config, run: RunDir, env: Environment, metrics: Metrics, ran
     def on_check(s: int, reward: float) -> None:
         metrics.log(s, {"sft/validation_reward": reward})
 
-    losses = sft_train(model, tok, env, cfg, on_step=on_step, on_check=on_check)
+    def on_stop(steps: int, optimizer: torch.optim.Optimizer, losses: List[float], model=model) -> None:
+        save_state(run.sft_state, model, optimizer, {"step": steps, "losses": losses, "wall_time_s": time.time() - t0,
+                                                     "heldout_reward_base": out["heldout_reward_base"]})
+        log.warning("stop requested (%s) during the warm start: saved after SFT step %d in %s; the requeued run goes "
+                    "on from there", stop_requested(), steps, run.sft_state)
+
+    resume = (saved["step"], torch.load(run.sft_state / "optimizer.pt"), saved["losses"]) if saved else None
+    losses = sft_train(model, tok, env, cfg, on_step=on_step, on_check=on_check, on_stop=on_stop, resume=resume)
     out["sft_steps"] = len(losses)
     out["heldout_reward_sft"] = evaluate(engine, env, tok, tasks, cfg.env)
     out["sft_wall_time_s"] = time.time() - t0
@@ -83,12 +103,42 @@ def warm_start(cfg: Config, run: RunDir, env: Environment, metrics: Metrics, ran
     model.save_pretrained(run.model)
     tok.save_pretrained(run.model)
     write_result(run, 0, out["heldout_reward_sft"], len(tasks))
+    shutil.rmtree(run.sft_state, ignore_errors=True)  # READY, written next, supersedes it
     # RL builds its own (possibly sharded) model: this whole copy and its evaluation engine go now, not at exit.
     del engine, model
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
+
+
+def save_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+    """The state of a stopped warm start, written beside `folder` and renamed over it: a crash while saving leaves
+    the previous state (or none), never half of one."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp / "model")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    write_json(tmp / "state.json", state)
+    old = folder.with_name(folder.name + ".old")
+    if folder.exists():
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_state(folder: Path) -> Optional[Dict[str, Any]]:
+    """The saved state of a stopped warm start (state.json), or None when there is none to go on from."""
+    try:
+        state = read_json(folder / "state.json")
+    except ValueError:
+        state = None
+    if not state:
+        return None
+    if not (folder / "optimizer.pt").exists():
+        log.warning("%s has no optimizer.pt: the warm start begins anew", folder)
+        return None
+    return state
 
 
 def validation_reward(model: torch.nn.Module, tokenizer, env: Environment, cfg: Config) -> float:
@@ -134,16 +184,28 @@ def sft_train(
     cfg: Config,
     on_step: Optional[Callable[[int, float], None]] = None,
     on_check: Optional[Callable[[int, float], None]] = None,
+    on_stop: Optional[Callable[[int, torch.optim.Optimizer, List[float]], None]] = None,
+    resume: Optional[Tuple[int, Dict[str, Any], List[float]]] = None,
 ) -> List[float]:
     """Trains on (prompt, reference answer) pairs for `cfg.sft.steps` steps, or until the validation reward reaches
-    `cfg.sft.stop_at_reward` (a warm start to partial competence); returns the loss of each step."""
+    `cfg.sft.stop_at_reward` (a warm start to partial competence); returns the loss of each step.
+
+    With `on_stop`, a stop request is honoured after the step it comes in: `on_stop(steps done, optimizer, losses)`
+    (which saves them), then Stop is raised. `resume`: (steps done, the optimizer's state, their losses) of such a
+    stop, to go on from, with the model as it was saved."""
     sft = cfg.sft
     opt = make_optimizer(model.parameters(), sft.optim)
     tasks = env.tasks("train", seed=cfg.seed + 7919)
     renderer = Renderer(tokenizer, [t.schema() for t in env.tools()])
-    losses = []
+    done, losses = 0, []
+    if resume is not None:
+        done, state, losses = resume
+        opt.load_state_dict(state)
+        for _ in islice(tasks, done * sft.batch_size):  # the tasks of the steps done
+            pass
+        losses = list(losses)
     model.train()
-    for step in range(sft.steps):
+    for step in range(done, sft.steps):
         seqs, masks = [], []
         for task in islice(tasks, sft.batch_size):
             ids, mask = reference_tokens(renderer, tokenizer, env, task)
@@ -169,4 +231,7 @@ def sft_train(
             if reward >= sft.stop_at_reward:
                 log.info("SFT stops after %d steps: validation reward %.3f >= sft.stop_at_reward", step + 1, reward)
                 break
+        if on_stop is not None and stop_requested() and step + 1 < sft.steps:
+            on_stop(step + 1, opt, losses)
+            raise Stop(stop_requested())
     return losses
