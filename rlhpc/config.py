@@ -158,6 +158,9 @@ class SFTConfig:
     stop_at_reward: float = 0.0
     check_interval: int = 10
     validation_tasks: int = 64
+    # The warm start saves its state (model, optimizer, step: run_dir/sft_state) every save_interval steps, so that a
+    # trainer killed outright (a lost node) goes on from the last save; also whenever asked to stop. 0: only then.
+    save_interval: int = 100
 
 
 @dataclass
@@ -581,6 +584,7 @@ def validate(cfg: Config) -> None:
     need(cfg.sft.steps >= 0, "sft.steps", "must be >= 0 (0: no warm start)")
     need(cfg.sft.batch_size >= 1, "sft.batch_size", "must be >= 1")
     need(cfg.sft.check_interval >= 1, "sft.check_interval", "must be >= 1")
+    need(cfg.sft.save_interval >= 0, "sft.save_interval", "must be >= 0 (0: saved only when asked to stop)")
     need(cfg.sft.validation_tasks >= 1, "sft.validation_tasks", "must be >= 1")
     need(0.0 <= cfg.sft.stop_at_reward <= 1.0, "sft.stop_at_reward", "must be in [0, 1] (0: no early stop)")
     _check_optim(cfg.sft.optim, "sft.optim")

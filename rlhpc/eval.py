@@ -75,6 +75,8 @@ def check_keys(cfg: EvalCommandConfig) -> None:
     need(math.isfinite(e.temperature) and e.temperature >= 0, "eval.temperature",
          f"must be a finite number >= 0 (0 is greedy), got {e.temperature}")
     need(e.concurrency >= 1, "eval.concurrency", f"must be >= 1 (requests in flight at once), got {e.concurrency}")
+    need(not (e.run and e.endpoint), "eval.endpoint",
+         f"set eval.run or eval.endpoint, not both (eval.run={e.run} names its own served endpoint)")
     if e.report:
         check_report(Path(e.report))
 

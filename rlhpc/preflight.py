@@ -297,7 +297,7 @@ RUNTIME_KEYS = (
     "weights.timeout_s", "weights.bucket_mb", "weights.snapshot_interval", "weights.transport",
     "weights.member_timeout_s", "weights.receive",
     "queue.lease_s", "queue.poll_max_s", "queue.keep_dropped", "queue.keep_quarantined", "queue.keep_retired",
-    "env.pool_processes",
+    "env.pool_processes", "sft.save_interval",
 )
 
 

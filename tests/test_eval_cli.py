@@ -100,6 +100,12 @@ def test_a_value_that_cannot_work_is_one_line_naming_its_key_before_anything_loa
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")
+def test_a_run_and_an_endpoint_both_named_are_refused_before_anything_loads(tmp_path):
+    proc = evaluate(f"eval.run={tmp_path}", "eval.endpoint=http://node:8000", "eval.num_tasks=1", timeout=120)
+    assert one_line(proc, 2) == ("error: config key `eval.endpoint`: set eval.run or eval.endpoint, not both "
+                                 f"(eval.run={tmp_path} names its own served endpoint)")
+
+
 def test_a_report_in_a_folder_that_cannot_be_made_is_refused_before_anything_loads():
     proc = evaluate("eval.report=/proc/nope/x.json", "eval.num_tasks=1", timeout=120)
     assert one_line(proc, 2).startswith("error: config key `eval.report`: cannot write in /proc: ")

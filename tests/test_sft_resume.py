@@ -21,24 +21,31 @@ from rlhpc.train.warmstart import warm_start
 SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1}
 
 
-class StopAt(Metrics):
-    """The trainer's metrics, with a stop request (as the SIGTERM handler makes it) arriving during SFT step `at`."""
+class Killed(Exception):
+    """A trainer killed outright (kill -9, a lost node): nothing of it runs after."""
 
-    def __init__(self, run, at):
+
+class StopAt(Metrics):
+    """The trainer's metrics, with a stop request (as the SIGTERM handler makes it) arriving during SFT step `at`, or
+    the trainer killed during step `killed_at`."""
+
+    def __init__(self, run, at, killed_at):
         super().__init__(run, "trainer", 0)
-        self.at = at
+        self.at, self.killed_at = at, killed_at
 
     def log(self, step, scalars):
+        if step == self.killed_at and "sft/loss" in scalars:
+            raise Killed
         super().log(step, scalars)
         if step == self.at and "sft/loss" in scalars:
             stop._stop_signal.append("SIGTERM")
 
 
-def start(tmp_path, name, stop_at=0):
-    cfg = config_mod.to_typed({"run_dir": str(tmp_path / name), "sft": {"steps": 6, "batch_size": 4},
-                               "eval": {"num_tasks": 2}, "model": SIZES})
+def start(tmp_path, name, stop_at=0, killed_at=0, save_interval=0):
+    cfg = config_mod.to_typed({"run_dir": str(tmp_path / name), "eval": {"num_tasks": 2}, "model": SIZES,
+                               "sft": {"steps": 6, "batch_size": 4, "save_interval": save_interval}})
     run = RunDir(tmp_path / name).make()
-    metrics = StopAt(run, stop_at)
+    metrics = StopAt(run, stop_at, killed_at)
     try:
         return run, warm_start(cfg, run, env_mod.load(cfg.env), metrics, 0)
     finally:
@@ -66,6 +73,27 @@ def test_a_stopped_warm_start_goes_on_from_its_saved_step_to_the_same_model(tmp_
     whole_losses = [r["sft/loss"] for r in map(json.loads, (whole.logs / "trainer-0.metrics.jsonl").read_text()
                                               .splitlines()) if "sft/loss" in r]
     assert losses == whole_losses  # steps 1-3, then 4-6 after the requeue: each once
+
+
+def sft_losses(run):
+    return [r["sft/loss"] for r in map(json.loads, (run.logs / "trainer-0.metrics.jsonl").read_text().splitlines())
+            if "sft/loss" in r]
+
+
+def test_a_warm_start_killed_outright_goes_on_from_its_last_periodic_save(tmp_path):
+    whole, out = start(tmp_path, "whole")
+    with pytest.raises(Killed):
+        start(tmp_path, "killed", killed_at=6, save_interval=2)  # saved after steps 2 and 4
+    run = RunDir(tmp_path / "killed")
+    assert json.loads((run.sft_state / "state.json").read_text())["step"] == 4
+    # Killed between the two renames of a save: the previous state, kept as sft_state.old, is gone on from.
+    (run.sft_state).rename(run.root / "sft_state.old")
+    _, resumed = start(tmp_path, "killed", save_interval=2)
+    a, b = load_file(whole.model / "model.safetensors"), load_file(run.model / "model.safetensors")
+    assert all((a[k] == b[k]).all() for k in a) and resumed["heldout_reward_sft"] == out["heldout_reward_sft"]
+    # Steps 1-5, the kill during 6, then 5 and 6 again from the save after 4.
+    assert sft_losses(run) == sft_losses(whole)[:5] + sft_losses(whole)[4:]
+    assert not run.sft_state.exists() and not (run.root / "sft_state.old").exists()
 
 
 def test_a_state_without_its_optimizer_is_not_gone_on_from(tmp_path):

@@ -5,10 +5,10 @@ warm start's results; the other ranks wait for it. A relaunched run finds READY 
 evaluates on its own model (the held-out reward before and after SFT; the latter is the curve's version 0 in
 run_dir/evals/) and lets that model go before RL builds its own.
 
-A warm start asked to stop (a preemption, a time limit, Ctrl-C) saves its state after the step it is in, in
-run_dir/sft_state/: the model, the optimizer, the steps done and their losses, the held-out reward before SFT. The
-requeued run goes on from there and trains exactly what an uninterrupted one would have (the task stream is
-deterministic and skipped to the step; SFT samples nothing).
+A warm start saves its state every `sft.save_interval` steps, and when asked to stop (a preemption, a time limit,
+Ctrl-C) after the step it is in, in run_dir/sft_state/: the model, the optimizer, the steps done and their losses,
+the held-out reward before SFT. The requeued or relaunched run goes on from there and trains exactly what an
+uninterrupted one would have (the task stream is deterministic and skipped to the step; SFT samples nothing).
 """
 
 from __future__ import annotations
@@ -87,14 +87,15 @@ def warm_start(cfg: Config, run: RunDir, env: Environment, metrics: Metrics, ran
     def on_check(s: int, reward: float) -> None:
         metrics.log(s, {"sft/validation_reward": reward})
 
-    def on_stop(steps: int, optimizer: torch.optim.Optimizer, losses: List[float], model=model) -> None:
+    def on_save(steps: int, optimizer: torch.optim.Optimizer, losses: List[float], model=model) -> None:
         save_state(run.sft_state, model, optimizer, {"step": steps, "losses": losses, "wall_time_s": time.time() - t0,
                                                      "heldout_reward_base": out["heldout_reward_base"]})
-        log.warning("stop requested (%s) during the warm start: saved after SFT step %d in %s; the requeued run goes "
-                    "on from there", stop_requested(), steps, run.sft_state)
+        if stop_requested():
+            log.warning("stop requested (%s) during the warm start: saved after SFT step %d in %s; the requeued run "
+                        "goes on from there", stop_requested(), steps, run.sft_state)
 
     resume = (saved["step"], torch.load(run.sft_state / "optimizer.pt"), saved["losses"]) if saved else None
-    losses = sft_train(model, tok, env, cfg, on_step=on_step, on_check=on_check, on_stop=on_stop, resume=resume)
+    losses = sft_train(model, tok, env, cfg, on_step=on_step, on_check=on_check, on_save=on_save, resume=resume)
     out["sft_steps"] = len(losses)
     out["heldout_reward_sft"] = evaluate(engine, env, tok, tasks, cfg.env)
     out["sft_wall_time_s"] = time.time() - t0
@@ -128,7 +129,11 @@ def save_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
 
 
 def load_state(folder: Path) -> Optional[Dict[str, Any]]:
-    """The saved state of a stopped warm start (state.json), or None when there is none to go on from."""
+    """The saved state of a stopped warm start (state.json), or None when there is none to go on from. A save killed
+    between its two renames left the previous state as <folder>.old: it is put back first."""
+    old = folder.with_name(folder.name + ".old")
+    if old.exists() and not folder.exists():
+        os.replace(old, folder)
     try:
         state = read_json(folder / "state.json")
     except ValueError:
@@ -184,15 +189,15 @@ def sft_train(
     cfg: Config,
     on_step: Optional[Callable[[int, float], None]] = None,
     on_check: Optional[Callable[[int, float], None]] = None,
-    on_stop: Optional[Callable[[int, torch.optim.Optimizer, List[float]], None]] = None,
+    on_save: Optional[Callable[[int, torch.optim.Optimizer, List[float]], None]] = None,
     resume: Optional[Tuple[int, Dict[str, Any], List[float]]] = None,
 ) -> List[float]:
     """Trains on (prompt, reference answer) pairs for `cfg.sft.steps` steps, or until the validation reward reaches
     `cfg.sft.stop_at_reward` (a warm start to partial competence); returns the loss of each step.
 
-    With `on_stop`, a stop request is honoured after the step it comes in: `on_stop(steps done, optimizer, losses)`
-    (which saves them), then Stop is raised. `resume`: (steps done, the optimizer's state, their losses) of such a
-    stop, to go on from, with the model as it was saved."""
+    With `on_save`, `on_save(steps done, optimizer, losses)` saves them every `cfg.sft.save_interval` steps, and after
+    the step a stop request comes in, before Stop is raised. `resume`: (steps done, the optimizer's state, their
+    losses) of such a save, to go on from, with the model as it was saved."""
     sft = cfg.sft
     opt = make_optimizer(model.parameters(), sft.optim)
     tasks = env.tasks("train", seed=cfg.seed + 7919)
@@ -231,7 +236,10 @@ def sft_train(
             if reward >= sft.stop_at_reward:
                 log.info("SFT stops after %d steps: validation reward %.3f >= sft.stop_at_reward", step + 1, reward)
                 break
-        if on_stop is not None and stop_requested() and step + 1 < sft.steps:
-            on_stop(step + 1, opt, losses)
+        if on_save is None or step + 1 == sft.steps:
+            continue
+        if stop_requested() or (sft.save_interval and (step + 1) % sft.save_interval == 0):
+            on_save(step + 1, opt, losses)
+        if stop_requested():
             raise Stop(stop_requested())
     return losses
