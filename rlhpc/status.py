@@ -109,7 +109,12 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
     hb = heartbeats.get("trainer-0", {})
     trainer: Dict[str, Any] = {}
     if hb.get("phase") == "sft":
-        trainer.update(phase="sft", sft_step=hb.get("sft_step"), sft_steps=hb.get("sft_steps"))
+        # The metrics carry every SFT step (the heartbeat one in 20, numbered from 0).
+        done = [r["step"] for r in rows if "sft/loss" in r]
+        trainer.update(phase="sft", sft_step=max(done) if done else hb.get("sft_step"), sft_steps=hb.get("sft_steps"))
+    saved = read_json_object(run.sft_state / "state.json", bad, numbers=("step",))
+    if saved and not (run.model / "READY").exists():  # a warm start saved, not done: a relaunch goes on from it
+        trainer["sft_saved_step"] = saved["step"]
     rl_rows = [r for r in rows if not any(k.startswith("sft/") for k in r)]  # SFT rows carry only sft/* scalars
     if rl_rows or "step" in hb:
         hb_step = hb["step"] if is_number(hb.get("step")) else 0
@@ -192,7 +197,10 @@ def render(info: Dict[str, Any]) -> str:
             lines.append(f"         {c['job_id']:<10} {c['role']:<10} {c['state']:<10}{extra}")
     t = info["trainer"]
     if t.get("phase") == "sft" and "step" not in t:
-        lines.append(f"trainer: SFT step {t.get('sft_step')}/{t.get('sft_steps')}")
+        line = f"trainer: SFT step {t.get('sft_step')}/{t.get('sft_steps')}"
+        if "sft_saved_step" in t:
+            line += f" (saved at step {t['sft_saved_step']}: a relaunch goes on from it)"
+        lines.append(line)
     elif "step" in t:
         line = f"trainer: step {t['step']}/{t.get('steps', '?')}"
         if "reward" in t:

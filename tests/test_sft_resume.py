@@ -121,6 +121,10 @@ def test_a_launch_stopped_during_the_warm_start_is_relaunched_and_goes_on_from_i
     p.communicate(timeout=120)
     state = json.loads((run_dir / "sft_state" / "state.json").read_text())
     assert 5 <= state["step"] < 400
+    status = subprocess.run([sys.executable, "-m", "rlhpc.status", str(run_dir)], capture_output=True, text=True,
+                            timeout=60).stdout
+    assert f"trainer: SFT step {state['step']}/400 (saved at step {state['step']}: a relaunch goes on from it)" \
+        in status, status
 
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
