@@ -39,7 +39,7 @@ from rlhpc.train.optim import make_optimizer
 from rlhpc.train.parallel import enable_activation_checkpointing
 from rlhpc.train.publish import Publisher
 from rlhpc.train.step import Step
-from rlhpc.train.warmstart import start_model
+from rlhpc.train.warmstart import load_state, start_model
 from rlhpc.transport.queue import Claim, RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -95,14 +95,8 @@ class Trainer:
         except Stop:
             # The warm start saved its state after its last step (run_dir/sft_state), if it had taken one.
             log.warning("stop requested (%s) during the warm start; the requeued run goes on with it", stop_requested())
-            if self.is_main:
-                try:
-                    sft = (read_json(self.run.sft_state / "state.json") or {}).get("step", 0)
-                except ValueError:
-                    sft = 0
-                write_json(self.run.status / "REQUEUE", {"step": 0, "sft_step": sft, "signal": stop_requested(),
-                                                         "time": time.time()})
-            return "requeue"
+            saved = load_state(self.run.sft_state) if self.is_main else None  # rank 0's to read (it warm-starts)
+            return self.requeue(0, sft_step=(saved or {}).get("step", 0))
         try:
             start = self.start()
         except Exception as e:
@@ -113,9 +107,7 @@ class Trainer:
             step = self.resume_step()
             log.warning("stop requested (%s) while starting (%s); the requeued run resumes at step %d",
                         stop_requested(), one_line(e), step)
-            if self.is_main:
-                write_json(self.run.status / "REQUEUE", {"step": step, "signal": stop_requested(), "time": time.time()})
-            return "requeue"
+            return self.requeue(step)
         t_rl = time.time()
         for step in range(start, self.cfg.trainer.steps):
             if stop_requested():
@@ -165,7 +157,7 @@ class Trainer:
     def resume_step(self) -> int:
         """The step the run resumes at: its newest whole checkpoint's (0 without one)."""
         path, _ = checkpoint.resumable(self.run.checkpoints)
-        return int(path.name.split("_")[-1]) if path is not None else 0
+        return read_json(path / "trainer.json")["step"] if path is not None else 0
 
     def report(self, step: int, claim: Claim, stats: Dict[str, float]) -> None:
         """Rank 0, once version step + 1 is out: the ledger, metrics and heartbeat (with the newest held-out reward
@@ -240,8 +232,15 @@ class Trainer:
         log.warning("stop requested (%s): checkpointing at step %d", stop_requested(), next_step)
         self.save_checkpoint(next_step)
         if self.is_main:
-            write_json(self.run.status / "REQUEUE", {"step": next_step, "signal": stop_requested(), "time": time.time()})
             self.metrics.close()
+        return self.requeue(next_step)
+
+    def requeue(self, step: int, **extra: int) -> str:
+        """Rank 0 tells the launcher to requeue (status/REQUEUE: the step the run resumes at, which the job script's
+        no-progress guard compares, and `extra`, e.g. the warm start's saved SFT step)."""
+        if self.is_main:
+            write_json(self.run.status / "REQUEUE", {"step": step, **extra, "signal": stop_requested(),
+                                                     "time": time.time()})
         return "requeue"
 
     # ---- the model ---------------------------------------------------------------------------------------------------
