@@ -43,8 +43,9 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = F
     launcher = Launcher(cfg)
     fit = memory.plan(cfg)  # the device mesh and the memory per GPU; refused when it cannot fit or divide
     # Slurm's own verdict on the job (sbatch --test-only), where Slurm answers: a partition that does not exist, more
-    # nodes than it has, ... (None for the local launcher, a job only written, or no Slurm here).
-    slurm = launcher.test_allocation() if cfg.launcher.submit or cfg.dry_run else None
+    # nodes than it has, ... (not asked for a job only written, or where no Slurm answers); and a cluster.python the
+    # job's tasks could not run. None for the local launcher.
+    slurm = launcher.test_allocation()
     if cfg.dry_run:
         print(fit.placed_in(launcher.plan()))
         if slurm:  # a plan may be made on a machine whose Slurm is not the cluster's: told, not refused

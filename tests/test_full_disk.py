@@ -142,7 +142,10 @@ def test_a_disk_that_fills_mid_run_stops_it_at_once_naming_it_and_the_same_comma
         deadline = time.time() + 300
         while not latest.exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.2)
-        assert latest.exists(), "no checkpoint was written"
+        if not latest.exists():
+            proc.kill()
+            out, err = proc.communicate(timeout=60)
+            pytest.fail(f"no checkpoint was written (launch exit {proc.returncode}): {err[-3000:]}")
         filler = fill(fs)
         filled = time.time()
         out, err = proc.communicate(timeout=120)

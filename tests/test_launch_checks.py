@@ -325,3 +325,32 @@ def test_new_run_dirs_are_made_exclusively(tmp_path):
     (tmp_path / "afile").write_text("")
     with pytest.raises(RunDirError, match=r"afile/x cannot be created: .*; choose another run_dir"):
         preflight.new_run_dir(tmp_path / "afile" / "x")
+
+
+def test_a_cluster_python_the_jobs_tasks_could_not_run_is_refused_at_launch_not_in_the_job(tmp_path):
+    # The tasks run `cluster.python -m rlhpc.role` from this folder once the job has its nodes, which may be hours
+    # later: a path that does not exist, a file that is not a program, or a Python without rlhpc are named at launch.
+    missing = tmp_path / "no-env" / "bin" / "python"
+    not_a_program = tmp_path / "python.txt"
+    not_a_program.write_text("")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True, timeout=120)
+    bare = tmp_path / "bare" / "bin" / "python"
+    for python, says in [(missing, "does not exist on this machine"), (not_a_program, "is not an executable file"),
+                         (bare, "cannot import rlhpc (ModuleNotFoundError: No module named ")]:
+        proc = write_job(tmp_path, f"cluster.python={python}", f"run_dir={tmp_path / 'run'}")
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(f"error: config key `cluster.python`: {python} {says}"), proc.stderr
+        assert not (tmp_path / "run").exists()
+    dry = write_job(tmp_path, f"cluster.python={missing}", "dry_run=true", f"run_dir={tmp_path / 'run'}")
+    assert dry.returncode == 0 and f"  note: config key `cluster.python`: {missing} does not exist" in dry.stdout
+    same = tmp_path / "python"  # another name of this Python, which has rlhpc: the job is written
+    same.symlink_to(sys.executable)
+    proc = write_job(tmp_path, f"cluster.python={same}", f"run_dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    assert f"export RLHPC_PYTHON={same}\n" in (tmp_path / "run" / "job.sbatch").read_text()
+    unknown = write_job(tmp_path, "cluster.python=python-of-nowhere", f"run_dir={tmp_path / 'run2'}")
+    assert unknown.returncode == 2 and "python-of-nowhere is not on this machine's PATH" in unknown.stderr
+    # Lines of cluster.setup may put it on PATH (module load, an activation): not judged here.
+    later = write_job(tmp_path, "cluster.python=python-of-nowhere", "cluster.setup=[module load py]",
+                      f"run_dir={tmp_path / 'run2'}")
+    assert later.returncode == 0, later.stderr

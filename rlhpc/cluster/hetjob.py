@@ -14,11 +14,14 @@ job (`cluster.requeue`).
 
 from __future__ import annotations
 
+import os
 import shlex
+import shutil
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from rlhpc.cluster.slurm_identity import ROLES
 from rlhpc.config import Config, ConfigError, SlurmGroupConfig
@@ -163,6 +166,42 @@ def make_plan(cfg: Config) -> JobPlan:
         max_restarts=cfg.inference.max_restarts,
         nodes_per_instance=cfg.inference.nodes_per_instance,
     )
+
+
+def python_problem(plan: JobPlan) -> Optional[str]:
+    """Why the job's tasks could not start `cluster.python`, as far as this machine can tell (the launch assumes the
+    nodes share its filesystem, as they share run_dir); None when it runs, or cannot be judged here. Told at launch,
+    not after the job waited in the queue for its nodes: a path that does not exist, a file that is not executable,
+    a Python without rlhpc. With `cluster.setup` lines only the path is checked (they may set what it imports), and
+    a bare name that only they put on PATH is not judged."""
+    python = plan.python
+    if python == sys.executable:
+        return None  # the launcher's own (cluster.python="")
+    key = f"config key `cluster.python`: {python}"
+    if os.sep not in python:
+        if plan.setup:
+            return None
+        found = shutil.which(python)
+        if found is None:
+            return (f"{key} is not on this machine's PATH, which the job inherits: give its full path, or put it on "
+                    "PATH in cluster.setup (module load, an environment's activation)")
+        python = found
+    if not os.path.exists(python):
+        return (f"{key} does not exist on this machine (the nodes share its filesystem, as they share run_dir): give "
+                "the path of an environment that has rlhpc, or leave it empty for the launcher's own Python")
+    if not os.access(python, os.X_OK) or os.path.isdir(python):
+        return f"{key} is not an executable file: give the path of a Python interpreter"
+    if plan.setup:
+        return None
+    try:  # as the tasks run it: from this folder (the job's working directory), with this environment
+        proc = subprocess.run([python, "-c", "import rlhpc.role"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{key} could not be run here ({e}): give the path of a Python interpreter that has rlhpc"
+    if proc.returncode != 0:
+        said = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        return (f"{key} cannot import rlhpc ({said}): install rlhpc into that environment (pip install -e <rlhpc "
+                "checkout>), or leave cluster.python empty for the launcher's own Python")
+    return None
 
 
 # ---- the batch script ------------------------------------------------------------------------------------------------

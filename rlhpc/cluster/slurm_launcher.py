@@ -28,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 
 from rlhpc.cluster import slurm_jobs
-from rlhpc.cluster.hetjob import JobPlan, describe, make_plan, render_script
+from rlhpc.cluster.hetjob import JobPlan, describe, make_plan, python_problem, render_script
 from rlhpc.config import Config
 from rlhpc.infer.engines.disagg import describe as disagg_describe
 from rlhpc.procs import tail
@@ -81,7 +81,11 @@ class SlurmLauncher:
     def test_allocation(self) -> Optional[str]:
         """Slurm's refusal of the job as planned (`sbatch --test-only` on its script: a partition that does not exist,
         more nodes or memory than a partition has, ...), naming the config keys that set what it refused; None when
-        Slurm would run it, or when no Slurm answers here."""
+        Slurm would run it, or when no Slurm answers here. Before Slurm, also for a script only written: a
+        cluster.python the job's tasks could not run."""
+        problem = python_problem(self.job)
+        if problem or not (self.cfg.launcher.submit or self.cfg.dry_run):  # a script only written: Slurm not asked
+            return problem
         with tempfile.NamedTemporaryFile("w", suffix=".sbatch", delete=False) as f:
             f.write(render_script(self.job, self.cfg.exp_name))
         try:
