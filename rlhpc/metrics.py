@@ -1,5 +1,10 @@
-"""Per-role metrics: TensorBoard scalars under tb/<role>-<rank>/ and the same rows in logs/<role>-<rank>.metrics.jsonl
-(what the status command and the plots read)."""
+"""Per-role metrics: TensorBoard scalars under tb/<role>-<rank>/ (the warm start's under tb/trainer-0/sft/) and the
+same rows in logs/<role>-<rank>.metrics.jsonl (what the status command and the plots read).
+
+A run that resumes trains again the steps after its last checkpoint (or saved warm start state): the rows the killed
+attempt wrote for them are not the run's. The trainer marks the resume in the rows ({"resumed": "rl" or "sft",
+"step": k}); read_rows leaves out the earlier rows of that phase past step k, and TensorBoard purges its events past
+k (its `purge_step`)."""
 
 from __future__ import annotations
 
@@ -10,28 +15,75 @@ from typing import Dict, List, Mapping, Optional
 from rlhpc.rundir import RunDir
 
 
+def phase_of(row: Mapping) -> str:
+    """"sft" for the warm start's rows (sft/ scalars), "rl" for the others."""
+    return "sft" if any(k.startswith("sft/") for k in row) else "rl"
+
+
 class Metrics:
     def __init__(self, run: RunDir, role: str, rank: int):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(log_dir=str(run.tb / f"{role}-{rank}"), flush_secs=5)
+        self.folder = run.tb / f"{role}-{rank}"
+        # TensorBoard's writers by phase: the warm start's steps and RL's share numbers, and a purge on resume (which
+        # hides all of a folder's events from its step on) must not reach the other phase's.
+        self.writers: Dict[str, object] = {}
+        self.purge: Dict[str, int] = {}
         self.jsonl = open(run.logs / f"{role}-{rank}.metrics.jsonl", "a", buffering=1)
+        self.relaunched = self.jsonl.tell() > 0  # an earlier attempt of the run wrote rows
+
+    def writer(self, phase: str):
+        if phase not in self.writers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writers[phase] = SummaryWriter(log_dir=str(self.folder / "sft" if phase == "sft" else self.folder),
+                                                flush_secs=5, purge_step=self.purge.get(phase))
+        return self.writers[phase]
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         row: Dict[str, float] = {k: float(v) for k, v in scalars.items()}
-        for k, v in row.items():
-            self.writer.add_scalar(k, v, step)
+        self.tensorboard(step, row)
         self.jsonl.write(json.dumps({"step": step, "time": time.time(), **row}) + "\n")
 
+    def tensorboard(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Scalars for TensorBoard only, not rows of the metrics file."""
+        writer = self.writer(phase_of(scalars))
+        for k, v in scalars.items():
+            writer.add_scalar(k, float(v), step)
+
+    def resumed(self, phase: str, step: int) -> None:
+        """This attempt goes on after `step` of `phase` ("rl": the checkpoint's step; "sft": the saved warm start's):
+        what an earlier attempt logged past it is superseded. Nothing to mark in a run's first attempt."""
+        if not self.relaunched:
+            return
+        self.jsonl.write(json.dumps({"resumed": phase, "step": step, "time": time.time()}) + "\n")
+        old = self.writers.pop(phase, None)
+        if old is not None:
+            old.close()
+        self.purge[phase] = step + 1
+
     def close(self) -> None:
-        self.writer.flush()
-        self.writer.close()
+        for writer in self.writers.values():
+            writer.flush()
+            writer.close()
         self.jsonl.close()
 
 
 def read_rows(run: RunDir, role: str, rank: int = 0) -> list[dict]:
     path = run.logs / f"{role}-{rank}.metrics.jsonl"
     return _rows(path) if path.exists() else []
+
+
+def current(rows: List[dict]) -> List[dict]:
+    """`rows` less the resume marks and the rows they supersede: those of the marked phase past its step, written
+    before the mark."""
+    out: List[dict] = []
+    for row in rows:
+        if "resumed" in row:
+            if isinstance(row.get("step"), (int, float)):
+                out = [r for r in out if phase_of(r) != row["resumed"]
+                       or not (isinstance(r.get("step"), (int, float)) and r["step"] > row["step"])]
+            continue
+        out.append(row)
+    return out
 
 
 # What each role's rows say about its time: the seconds it worked and the seconds it waited for the other side, since
@@ -97,4 +149,4 @@ def _rows(path) -> List[dict]:
             rows.append(json.loads(line))
         except json.JSONDecodeError:  # a line cut by a crash
             continue
-    return rows
+    return current(rows)

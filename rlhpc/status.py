@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from rlhpc.metrics import bottleneck, busy_by_process
+from rlhpc.metrics import bottleneck, busy_by_process, current
 from rlhpc.procs import tail
 from rlhpc.rundir import (RunDir, free_bytes, is_number, out_of_space_advice, read_json_object, size_text,
                           space_problem)
@@ -51,13 +51,15 @@ def _metrics_tail(path: Path, max_bytes: int = 256 << 10, run: Optional[RunDir] 
             row = json.loads(line)
         except json.JSONDecodeError:  # a line cut by a crash or by the seek
             continue
-        if isinstance(row, dict) and "step" in row and all(is_number(v) for v in row.values()):
+        if isinstance(row, dict) and "resumed" in row:
+            rows.append(row)  # a resume's mark (rlhpc.metrics.current)
+        elif isinstance(row, dict) and "step" in row and all(is_number(v) for v in row.values()):
             rows.append(row)
         else:  # the sums and comparisons below would fail on it
             wrong += 1
     if wrong and bad is not None and run is not None:
         bad[path] = f"{wrong} row(s) skipped: a metrics row holds numbers only"
-    return rows
+    return current(rows)
 
 
 def _last(rows: List[Dict[str, Any]], key: str) -> Optional[Dict[str, Any]]:

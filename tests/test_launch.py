@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from rlhpc.metrics import read_rows
+from rlhpc.rundir import RunDir
+
 TESTS = Path(__file__).resolve().parent
 SMALL = ["+exp=reverse_text", "sft.steps=5", "eval.num_tasks=8", "eval.interval=0", "launcher.progress=false",
          "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1"]
@@ -190,3 +193,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_at"] == [older] and summary["rl_steps"] == steps
     assert_each_step_and_group_once(ledger, steps)
+    # The steps after the older checkpoint were logged twice, by each attempt; the metrics show the second.
+    written = [json.loads(line) for line in (run_dir / "logs" / "trainer-0.metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in written if "lr" in r]) > steps
+    assert [r["step"] for r in read_rows(RunDir(run_dir), "trainer") if "lr" in r] == list(range(1, steps + 1))

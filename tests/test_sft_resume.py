@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from rlhpc import config as config_mod
 from rlhpc import env as env_mod
 from rlhpc import stop
-from rlhpc.metrics import Metrics
+from rlhpc.metrics import Metrics, read_rows
 from rlhpc.rundir import RunDir
 from rlhpc.stop import Stop
 from rlhpc.train.warmstart import warm_start
@@ -75,9 +75,17 @@ def test_a_stopped_warm_start_goes_on_from_its_saved_step_to_the_same_model(tmp_
     assert losses == whole_losses  # steps 1-3, then 4-6 after the requeue: each once
 
 
-def sft_losses(run):
-    return [r["sft/loss"] for r in map(json.loads, (run.logs / "trainer-0.metrics.jsonl").read_text().splitlines())
-            if "sft/loss" in r]
+def sft_losses(run, rows=None):
+    """The SFT losses the run's metrics show (rlhpc.metrics.read_rows), or those of `rows`."""
+    return [r["sft/loss"] for r in (read_rows(run, "trainer") if rows is None else rows) if "sft/loss" in r]
+
+
+def tensorboard_scalars(folder, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
 
 
 def test_a_warm_start_killed_outright_goes_on_from_its_last_periodic_save(tmp_path):
@@ -91,8 +99,16 @@ def test_a_warm_start_killed_outright_goes_on_from_its_last_periodic_save(tmp_pa
     _, resumed = start(tmp_path, "killed", save_interval=2)
     a, b = load_file(whole.model / "model.safetensors"), load_file(run.model / "model.safetensors")
     assert all((a[k] == b[k]).all() for k in a) and resumed["heldout_reward_sft"] == out["heldout_reward_sft"]
-    # Steps 1-5, the kill during 6, then 5 and 6 again from the save after 4.
-    assert sft_losses(run) == sft_losses(whole)[:5] + sft_losses(whole)[4:]
+    # Steps 1-5, the kill during 6, then 5 and 6 again from the save after 4: the metrics show each step once, as
+    # TensorBoard does; the file keeps what the killed attempt logged, and the mark of the resume.
+    assert sft_losses(run) == sft_losses(whole)
+    written = list(map(json.loads, (run.logs / "trainer-0.metrics.jsonl").read_text().splitlines()))
+    assert sft_losses(run, written) == sft_losses(whole)[:5] + sft_losses(whole)[4:]
+    assert [r for r in written if "resumed" in r] == [{"resumed": "sft", "step": 4, "time": pytest.approx(time.time(),
+                                                                                                          abs=600)}]
+    shown = tensorboard_scalars(run.tb / "trainer-0" / "sft", "sft/loss")
+    assert [s for s, _ in shown] == list(range(1, 7))
+    assert [v for _, v in shown] == pytest.approx(sft_losses(whole))
     assert not run.sft_state.exists() and not (run.root / "sft_state.old").exists()
 
 
@@ -104,6 +120,7 @@ def test_a_state_without_its_optimizer_is_not_gone_on_from(tmp_path):
     _, out = start(tmp_path, "stopped")
     assert out["sft_steps"] == 6
     assert (run.logs / "trainer-0.metrics.jsonl").read_text().count('"sft/loss"') == 2 + 6  # begun anew
+    assert [r["step"] for r in read_rows(run, "trainer") if "sft/loss" in r] == list(range(1, 7))
 
 
 @pytest.mark.slow

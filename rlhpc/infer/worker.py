@@ -232,8 +232,7 @@ class HeldoutEval:
         eval_s = time.time() - t0
         write_result(self.run, version, reward, len(self.tasks))
         # TensorBoard only, against the weights version; the metrics rows stay one per generated batch.
-        metrics.writer.add_scalar("eval/heldout_reward", reward, version)
-        metrics.writer.add_scalar("eval/time_s", eval_s, version)
+        metrics.tensorboard(version, {"eval/heldout_reward": reward, "eval/time_s": eval_s})
         log.info("weights version %d: held-out reward %.3f (%d tasks, %.1fs)", version, reward, len(self.tasks), eval_s)
 
 

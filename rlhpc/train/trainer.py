@@ -146,6 +146,7 @@ class Trainer:
             start = checkpoint.load(resume_from, self.model, self.optimizer, self.scheduler)["step"]
             self.summary["resumed_at"] = self.summary.get("resumed_at", []) + [start]
         if self.is_main:
+            self.metrics.resumed("rl", start)  # what an earlier attempt logged past it is trained again
             if start > 0:
                 discard_after(self.run, start)
             self.claims.start(start)

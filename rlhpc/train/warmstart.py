@@ -78,6 +78,7 @@ def warm_start(cfg: Config, run: RunDir, env: Environment, metrics: Metrics, ran
     else:
         out = {"heldout_reward_base": evaluate(engine, env, tok, tasks, cfg.env)}
     t0 = time.time() - (saved["wall_time_s"] if saved else 0.0)
+    metrics.resumed("sft", saved["step"] if saved else 0)  # what an earlier attempt logged past it is trained again
 
     def on_step(s: int, loss: float) -> None:
         metrics.log(s + 1, {"sft/loss": loss})
