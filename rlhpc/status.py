@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from rlhpc.metrics import bottleneck, busy_by_process, current
+from rlhpc.metrics import bottleneck, busy_by_process, current, phase_of
 from rlhpc.procs import tail
 from rlhpc.rundir import (RunDir, free_bytes, is_number, out_of_space_advice, read_json_object, size_text,
                           space_problem)
@@ -117,7 +117,7 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
     saved = read_json_object(run.sft_state / "state.json", bad, numbers=("step",))
     if saved and not (run.model / "READY").exists():  # a warm start saved, not done: a relaunch goes on from it
         trainer["sft_saved_step"] = saved["step"]
-    rl_rows = [r for r in rows if not any(k.startswith("sft/") for k in r)]  # SFT rows carry only sft/* scalars
+    rl_rows = [r for r in rows if phase_of(r) == "rl"]
     if rl_rows or "step" in hb:
         hb_step = hb["step"] if is_number(hb.get("step")) else 0
         trainer.update(phase="rl", step=max([r["step"] for r in rl_rows] + [hb_step]), steps=hb.get("steps"))
