@@ -14,21 +14,23 @@ def test_the_quick_start_learns_and_rl_raises_held_out_reward(tmp_path, engine):
         pytest.importorskip("vllm", reason="vLLM is not installed (bash .ci/install-vllm.sh)")
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "rlhpc.launch", "+exp=reverse_text", f"run_dir={run_dir}", "trainer.steps=60",
-         "eval.interval=20", "launcher.progress=false", f"inference.engine={engine}"],
+        [sys.executable, "-m", "rlhpc.launch", "+exp=reverse_text", f"run_dir={run_dir}", "trainer.steps=120",
+         "eval.interval=40", "launcher.progress=false", f"inference.engine={engine}"],
         capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    # SFT stops at partial competence; RL, not SFT, earns the gain.
+    # SFT stops at partial competence; RL, not SFT, earns the gain. Measured with transformers on a 2-core machine
+    # (2026-12-05, three runs from SFT 0.418): +0.04 to +0.06 after 60 steps (held-out first dips at 20), +0.10 to
+    # +0.11 after 100, +0.14 to +0.16 after 120; a CI machine's run of 60 steps from 0.429 gained +0.039.
     assert summary["heldout_reward_base"] < 0.1
     assert summary["heldout_reward_sft"] <= 0.6
     assert summary["heldout_reward_rl"] >= summary["heldout_reward_sft"] + 0.05, summary
     # One held-out point per eval.interval, by version: inference worker 0 measures the first version it holds at or
-    # past each multiple of 20 (it may have skipped the multiple itself), and always the last.
+    # past each multiple of 40 (it may have skipped the multiple itself), and always the last.
     versions = [v for v, _ in summary["eval_curve"]]
-    assert summary["rl_steps"] == 60 and versions[0] == 0 and versions[-1] == 60
-    assert [v // 20 for v in versions] == [0, 1, 2, 3], versions
+    assert summary["rl_steps"] == 120 and versions[0] == 0 and versions[-1] == 120
+    assert [v // 40 for v in versions] == [0, 1, 2, 3], versions
     # What the user sees at the end: the table on the terminal, logs per role, TensorBoard per role, the HF export.
     assert "held-out reward after RL" in proc.stdout
     assert {p.name for p in (run_dir / "logs").glob("*.log")} == {"trainer-0.log", "inference-0.log", "inference-1.log"}
