@@ -208,6 +208,37 @@ def test_a_sweep_gives_every_point_its_own_run_dir(tmp_path):
     assert [Path(d).name for d in dirs] == ["0", "1"] and Path(dirs[0]).parent == Path(dirs[1]).parent
 
 
+
+def test_following_a_job_slurm_does_not_answer_for_says_so_and_ends(tmp_path, monkeypatch, capsys):
+    """launcher.wait=true with no sacct or squeue that answers (here: none on PATH): the launcher says why the state
+    is unknown, and stops following after SILENT_LIMIT_S; at launcher.timeout_s it does not wait on a final state no
+    one will report."""
+    from rlhpc.cluster import slurm_launcher
+    from rlhpc.cluster.slurm_launcher import SlurmLauncher
+    from rlhpc.rundir import RunDir
+
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    monkeypatch.setattr(slurm_launcher, "POLL_S", 0.1)
+    monkeypatch.setattr(slurm_launcher, "SILENT_LIMIT_S", 1.0)
+    run = RunDir(tmp_path / "run").make()
+    t0 = time.monotonic()
+    assert SlurmLauncher(composed("launcher=slurm", "launcher.progress=false")).wait(run, "4242") == 1
+    assert time.monotonic() - t0 < 10
+    out, err = capsys.readouterr()
+    assert out.count("job 4242: state unknown (neither sacct nor squeue answered); asking again every 0.1 s") == 1
+    assert "stopped following job 4242: neither sacct nor squeue answered for 1 s" in err
+    assert f"python -m rlhpc.status {run.root}" in err
+
+    monkeypatch.setattr(slurm_launcher, "SILENT_LIMIT_S", 600.0)
+    t0 = time.monotonic()
+    launcher = SlurmLauncher(composed("launcher=slurm", "launcher.progress=false", "launcher.timeout_s=1"))
+    assert launcher.wait(run, "4242") == 124
+    assert time.monotonic() - t0 < 10  # not the 60 s given to a cancelled job to report its end
+    err = capsys.readouterr().err
+    assert "launcher.timeout_s=1s reached; cancelling job 4242" in err
+    assert ("job 4242: its end is not confirmed (scancel failed; job state unknown (neither sacct nor squeue "
+            "answered)): check squeue -j 4242") in err
+
 # ---- on the local Slurm cluster --------------------------------------------------------------------------------
 
 

@@ -17,6 +17,8 @@ from typing import Any, Dict, List, Optional
 from rlhpc.cluster.slurm_identity import ROLES
 from rlhpc.rundir import RunDir, read_json, read_json_object, write_json
 
+# JobState.source when no Slurm command answered (not installed here, or no controller reachable).
+NO_ANSWER = "neither sacct nor squeue answered"
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
          "DEADLINE", "REVOKED", "GONE")
 # When components end differently, the job reads as the first of these that any component has.
@@ -47,6 +49,18 @@ class JobState:
     @property
     def final(self) -> bool:
         return len(self.components) == len(ROLES) and all(c.state in FINAL for c in self.components)
+
+    @property
+    def answered(self) -> bool:
+        return self.source != NO_ANSWER
+
+    def describe(self) -> str:
+        """The state as the launcher prints it: `RUNNING`, or why it is not known."""
+        if self.components:
+            return self.state
+        if not self.answered:
+            return f"state unknown ({NO_ANSWER})"
+        return "not listed by sacct or squeue (yet)"
 
     @property
     def state(self) -> str:
@@ -96,7 +110,7 @@ def query(job_id: str) -> JobState:
     accounting = out is not None
     out = _run(["squeue", "-j", job_id, "-h", "-o", "%i|%T|%N|%M|%r"])
     if out is None and not accounting:
-        return JobState(job_id, [], "neither sacct nor squeue answered")
+        return JobState(job_id, [], NO_ANSWER)
     for line in (out or "").splitlines():
         parts = line.split("|")
         if len(parts) != 5:
@@ -110,10 +124,11 @@ def query(job_id: str) -> JobState:
 
 
 def wait_final(job_id: str, timeout_s: float, poll_s: float = 1.0) -> JobState:
-    """Polls until every component is final (sacct lags a moment after the end) or `timeout_s` passes."""
+    """Polls until every component is final (sacct lags a moment after the end) or `timeout_s` passes; at once when
+    Slurm does not answer (nothing to wait for)."""
     deadline = time.monotonic() + timeout_s
     state = query(job_id)
-    while not state.final and time.monotonic() < deadline:
+    while not state.final and state.answered and time.monotonic() < deadline:
         time.sleep(poll_s)
         state = query(job_id)
     return state
@@ -127,8 +142,9 @@ def restarts(job_id: str) -> int:
     return 0
 
 
-def cancel(job_id: str) -> None:
-    _run(["scancel", job_id])
+def cancel(job_id: str) -> bool:
+    """scancel; False when it failed or could not run."""
+    return _run(["scancel", job_id]) is not None
 
 
 # ---- run_dir/jobs.json: the Slurm jobs of a run ----------------------------------------------------------------------

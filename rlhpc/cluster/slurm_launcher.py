@@ -35,6 +35,8 @@ from rlhpc.procs import tail
 from rlhpc.rundir import RunDir, out_of_space_advice, read_json, space_problem
 
 POLL_S = 2.0
+# launcher.wait: how long the launcher follows a job while no Slurm command answers before it stops following it.
+SILENT_LIMIT_S = 600.0
 # What a sweep submitted in this process (for SweepCallback).
 SUBMITTED: List[Dict[str, Any]] = []
 
@@ -177,27 +179,38 @@ class SlurmLauncher:
         t0 = time.time()
         timeout = self.cfg.launcher.timeout_s
         progress = _Progress(run) if self.cfg.launcher.progress else None
-        last_state, last_restarts = "", 0
+        last_state, last_restarts, silent_since = "", 0, None
         try:
             while True:
                 st = slurm_jobs.query(job_id)
-                if st.state != last_state:
-                    restarts = slurm_jobs.restarts(job_id) if last_state else 0
+                state = st.describe()
+                if state != last_state:
+                    restarts = slurm_jobs.restarts(job_id) if last_state and st.components else 0
                     if restarts > last_restarts:
                         print(f"job {job_id}: requeued (restart {restarts}); the trainer resumes from its checkpoint",
                               flush=True)
                         last_restarts = restarts
                     where = ", ".join(f"{c.role} on {c.nodes}" for c in st.components if st.state == "RUNNING")
-                    print(f"job {job_id}: {st.state}" + (f" ({where})" if where else ""), flush=True)
-                    last_state = st.state
+                    again = "" if st.answered else f"; asking again every {POLL_S:g} s"
+                    print(f"job {job_id}: {state}" + (f" ({where})" if where else "") + again, flush=True)
+                    last_state = state
                 if st.final:
                     return self.report(run, job_id, st, time.time() - t0)
+                silent_since = None if st.answered else (silent_since or time.time())
+                if silent_since and time.time() - silent_since > SILENT_LIMIT_S:
+                    print(f"stopped following job {job_id}: {slurm_jobs.NO_ANSWER} for {SILENT_LIMIT_S:.0f} s (are "
+                          f"Slurm's commands on PATH here, and is its controller up?); the job may still run: "
+                          f"squeue -j {job_id}, or python -m rlhpc.status {run.root}", file=sys.stderr)
+                    return 1
                 if progress:
                     progress.update()
                 if timeout and time.time() - t0 > timeout:
                     print(f"launcher.timeout_s={timeout:.0f}s reached; cancelling job {job_id}", file=sys.stderr)
-                    slurm_jobs.cancel(job_id)
-                    slurm_jobs.wait_final(job_id, 60)
+                    cancelled = slurm_jobs.cancel(job_id)
+                    end = slurm_jobs.wait_final(job_id, 60)
+                    if not (cancelled and end.final):
+                        print(f"job {job_id}: its end is not confirmed (scancel {'sent' if cancelled else 'failed'}; "
+                              f"job {end.describe()}): check squeue -j {job_id}", file=sys.stderr)
                     return 124
                 time.sleep(POLL_S)
         except KeyboardInterrupt:
