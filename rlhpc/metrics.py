@@ -1,10 +1,12 @@
-"""Per-role metrics: TensorBoard scalars under tb/<role>-<rank>/ (the warm start's under tb/trainer-0/sft/) and the
-same rows in logs/<role>-<rank>.metrics.jsonl (what the status command and the plots read).
+"""Per-role metrics: TensorBoard scalars under tb/<role>-<rank>/ (the warm start's under tb/trainer-0/sft/, inference
+worker 0's held-out evaluations under tb/inference-0/eval/) and the same rows in logs/<role>-<rank>.metrics.jsonl
+(what the status command and the plots read).
 
 A run that resumes trains again the steps after its last checkpoint (or saved warm start state): the rows the killed
 attempt wrote for them are not the run's. The trainer marks the resume in the rows ({"resumed": "rl" or "sft",
 "step": k}); read_rows leaves out the earlier rows of that phase past step k, and TensorBoard purges its events past
-k (its `purge_step`)."""
+k (its `purge_step`); inference worker 0 purges its held-out evaluations past the first weights version it holds.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ def phase_of(row: Mapping) -> str:
 class Metrics:
     def __init__(self, run: RunDir, role: str, rank: int):
         self.folder = run.tb / f"{role}-{rank}"
-        # TensorBoard's writers by phase: the warm start's steps and RL's share numbers, and a purge on resume (which
-        # hides all of a folder's events from its step on) must not reach the other phase's.
+        # TensorBoard's writers by phase, each in its folder: the warm start's steps and RL's share numbers, as do a
+        # worker's batches and the versions it evaluates, and a purge on resume (which hides all of a folder's events
+        # from its step on) must not reach the other phase's.
         self.writers: Dict[str, object] = {}
         self.purge: Dict[str, int] = {}
         self.jsonl = open(run.logs / f"{role}-{rank}.metrics.jsonl", "a", buffering=1)
@@ -34,8 +37,8 @@ class Metrics:
         if phase not in self.writers:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writers[phase] = SummaryWriter(log_dir=str(self.folder / "sft" if phase == "sft" else self.folder),
-                                                flush_secs=5, purge_step=self.purge.get(phase))
+            folder = self.folder if phase == "rl" else self.folder / phase
+            self.writers[phase] = SummaryWriter(log_dir=str(folder), flush_secs=5, purge_step=self.purge.get(phase))
         return self.writers[phase]
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
@@ -43,9 +46,9 @@ class Metrics:
         self.tensorboard(step, row)
         self.jsonl.write(json.dumps({"step": step, "time": time.time(), **row}) + "\n")
 
-    def tensorboard(self, step: int, scalars: Mapping[str, float]) -> None:
-        """Scalars for TensorBoard only, not rows of the metrics file."""
-        writer = self.writer(phase_of(scalars))
+    def tensorboard(self, step: int, scalars: Mapping[str, float], phase: Optional[str] = None) -> None:
+        """Scalars for TensorBoard only, not rows of the metrics file (`phase`: their writer, by default the rows')."""
+        writer = self.writer(phase or phase_of(scalars))
         for k, v in scalars.items():
             writer.add_scalar(k, float(v), step)
 
@@ -55,6 +58,10 @@ class Metrics:
         if not self.relaunched:
             return
         self.jsonl.write(json.dumps({"resumed": phase, "step": step, "time": time.time()}) + "\n")
+        self.purge_after(phase, step)
+
+    def purge_after(self, phase: str, step: int) -> None:
+        """TensorBoard hides the events of `phase` that earlier attempts wrote past `step`."""
         old = self.writers.pop(phase, None)
         if old is not None:
             old.close()

@@ -12,6 +12,7 @@ import pytest
 
 from rlhpc.metrics import read_rows
 from rlhpc.rundir import RunDir
+from rlhpc.train.evaluation import read_curve
 
 TESTS = Path(__file__).resolve().parent
 SMALL = ["+exp=reverse_text", "sft.steps=5", "eval.num_tasks=8", "eval.interval=0", "launcher.progress=false",
@@ -176,8 +177,9 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one
     run_dir = tmp_path / "run"
     steps = 40
     args = [sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", f"trainer.steps={steps}",
-            "trainer.checkpoint_interval=2"]
+            "trainer.checkpoint_interval=2", "eval.interval=1"]
     ledger = stop_after(args, run_dir, 5)
+    first_curve = read_curve(RunDir(run_dir))
     newest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
     kept = sorted(d.name for d in (run_dir / "checkpoints").glob("step_*"))
     assert len(kept) == 2 and kept[-1] == f"step_{newest:08d}", kept
@@ -197,3 +199,12 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one
     written = [json.loads(line) for line in (run_dir / "logs" / "trainer-0.metrics.jsonl").read_text().splitlines()]
     assert len([r for r in written if "lr" in r]) > steps
     assert [r["step"] for r in read_rows(RunDir(run_dir), "trainer") if "lr" in r] == list(range(1, steps + 1))
+    # So were held-out evaluations of versions past it: the curve and TensorBoard show the second attempt's, once.
+    curve = read_curve(RunDir(run_dir))
+    assert any(v > older for v, _ in first_curve), first_curve
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tb" / "inference-0" / "eval"))
+    events.Reload()
+    shown = [(e.step, e.value) for e in events.Scalars("eval/heldout_reward")]
+    assert shown == [(v, pytest.approx(r)) for v, r in curve if v > 0], (shown, curve, first_curve)

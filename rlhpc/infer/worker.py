@@ -210,6 +210,7 @@ class HeldoutEval:
         self.cfg, self.run, self.env, self.pool, self.tokenizer = cfg, run, env, pool, tokenizer
         self.tasks = heldout_tasks(env, cfg)
         self.checked: Optional[int] = None  # the version last looked at: the record is read once per version
+        self.evaluated = False  # in this life of the worker
 
     def __call__(self, engine, version: int, metrics: Metrics) -> None:
         if version == self.checked:
@@ -230,9 +231,15 @@ class HeldoutEval:
             if inflight is not None:
                 engine.weight_updates = inflight
         eval_s = time.time() - t0
+        if not self.evaluated and metrics.relaunched:
+            # TensorBoard hides what an earlier life showed past the last result on record: results of versions that
+            # a run resumed from an older checkpoint trains again (rlhpc/train/evaluation.py discards their files;
+            # the trainer does so before it publishes weights, so before this version reached the worker).
+            metrics.purge_after("eval", done[-1] if done else -1)
+        self.evaluated = True
         write_result(self.run, version, reward, len(self.tasks))
         # TensorBoard only, against the weights version; the metrics rows stay one per generated batch.
-        metrics.tensorboard(version, {"eval/heldout_reward": reward, "eval/time_s": eval_s})
+        metrics.tensorboard(version, {"eval/heldout_reward": reward, "eval/time_s": eval_s}, phase="eval")
         log.info("weights version %d: held-out reward %.3f (%d tasks, %.1fs)", version, reward, len(self.tasks), eval_s)
 
 
