@@ -22,9 +22,10 @@ def test_tool_text_learns_to_call_the_tool_and_rl_raises_held_out_reward(tmp_pat
     # The base model never calls the tool; SFT on trajectories teaches the call and partial competence.
     assert summary["heldout_reward_base"] < 0.05
     assert 0.2 <= summary["heldout_reward_sft"] <= 0.6, summary
-    # Measured (docs/environments.md): +0.17 and +0.20 after 100 steps (0.406 -> 0.571, 0.603); the bound leaves room
-    # for seed noise.
-    assert summary["heldout_reward_rl"] >= summary["heldout_reward_sft"] + 0.08, summary
+    # Measured (docs/environments.md): +0.17 and +0.20 after 100 steps (0.406 -> 0.571, 0.603) on one 2-core machine;
+    # +0.09, +0.09 and +0.11 (0.447 -> 0.538, 0.541, 0.556) on another, whose numerics gave another SFT model. The
+    # bound leaves room for both and for seed noise.
+    assert summary["heldout_reward_rl"] >= summary["heldout_reward_sft"] + 0.05, summary
     rows = [json.loads(x) for x in (run_dir / "logs" / "inference-0.metrics.jsonl").read_text().splitlines()]
     last = rows[-1]
     # Every episode called the tool and took two turns; no environment call failed.
