@@ -5,8 +5,8 @@ worker 0's held-out evaluations under tb/inference-0/eval/) and the same rows in
 A run that resumes trains again the steps after its last checkpoint (or saved warm start state): the rows the killed
 attempt wrote for them are not the run's. The trainer marks the resume in the rows ({"resumed": "rl" or "sft",
 "step": k}); read_rows leaves out the earlier rows of that phase past step k, and TensorBoard purges its events past
-k (its `purge_step`); inference worker 0 purges its held-out evaluations past the first weights version it holds.
-"""
+k (its `purge_step`); inference worker 0's first evaluation in a new life purges its held-out evaluations past the
+last result on record (those of versions a resumed run trains again)."""
 
 from __future__ import annotations
 
