@@ -208,7 +208,6 @@ def test_a_sweep_gives_every_point_its_own_run_dir(tmp_path):
     assert [Path(d).name for d in dirs] == ["0", "1"] and Path(dirs[0]).parent == Path(dirs[1]).parent
 
 
-
 def test_following_a_job_slurm_does_not_answer_for_says_so_and_ends(tmp_path, monkeypatch, capsys):
     """launcher.wait=true with no sacct or squeue that answers (here: none on PATH): the launcher says why the state
     is unknown, and stops following after SILENT_LIMIT_S; at launcher.timeout_s it does not wait on a final state no
@@ -238,6 +237,7 @@ def test_following_a_job_slurm_does_not_answer_for_says_so_and_ends(tmp_path, mo
     assert "launcher.timeout_s=1s reached; cancelling job 4242" in err
     assert ("job 4242: its end is not confirmed (scancel failed; job state unknown (neither sacct nor squeue "
             "answered)): check squeue -j 4242") in err
+
 
 # ---- on the local Slurm cluster --------------------------------------------------------------------------------
 
