@@ -19,6 +19,7 @@ from rlhpc import preflight
 from rlhpc.cluster import memory
 from rlhpc.config import CONF_DIR, Config, ConfigError
 from rlhpc.preflight import RunDirError, config_key_error, prepare_run_dir
+from rlhpc.rundir import RunDir, read_json, resume_command
 
 
 def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = False) -> int:
@@ -63,7 +64,31 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = F
         launcher = Launcher(cfg)  # placed in the folder made
     with preflight.launch_lock(Path(cfg.run_dir)):
         run = prepare_run_dir(cfg)
-        return launcher.start(run)
+        code = launcher.start(run)
+    if cfg.launcher.name == "local" and code in (130, 143):  # Ctrl-C or SIGTERM: the roles have ended
+        print(stopped_note(run, cfg, overrides), file=sys.stderr)
+    return code
+
+
+def stopped_note(run: RunDir, cfg: Config, overrides: Optional[List[str]]) -> str:
+    """What a local run stopped by Ctrl-C or SIGTERM kept, and the command that goes on from there."""
+    try:
+        saved = read_json(run.status / "REQUEUE")  # the trainer's, when it saved its state on the way out
+        latest = read_json(run.checkpoints / "latest.json")
+    except ValueError:  # garbled by a foreign hand; the next launch says what it resumes from
+        saved = latest = None
+    if isinstance(saved, dict) and "sft_step" in saved:
+        kept = (f"the trainer saved the SFT warm start after SFT step {saved['sft_step']}" if saved["sft_step"] else
+                "the trainer was in the SFT warm start and had no step to save yet")
+    elif isinstance(saved, dict) and "step" in saved:
+        kept = f"the trainer checkpointed on the way out; RL goes on at step {saved['step']} of {cfg.trainer.steps}"
+    elif isinstance(latest, dict) and "step" in latest:
+        kept = (f"the trainer ended before it could checkpoint; RL goes on from the newest checkpoint, at step "
+                f"{latest['step']} of {cfg.trainer.steps}")
+    else:
+        kept = "nothing was checkpointed yet"
+    again = resume_command(run.root, overrides) if overrides is not None else f"the same launch with run_dir={run.root}"
+    return f"stopped: {kept}. To go on:\n  {again}"
 
 
 def main() -> None:

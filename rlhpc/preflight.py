@@ -367,7 +367,7 @@ def prepare_run_dir(cfg: Config) -> RunDir:
         run.make()
     except OSError as e:
         raise RunDirError(f"run_dir={run.root} cannot be created: {one_line(e)}; choose another run_dir") from None
-    for stale in (run.failed,):
+    for stale in (run.failed, run.status / "REQUEUE"):  # an earlier attempt's: this one writes its own
         stale.unlink(missing_ok=True)
     config_mod.save(cfg, run.config)
     return run

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shlex
 import shutil
 import time
 from dataclasses import dataclass
@@ -105,8 +106,17 @@ def out_of_space_advice(root: Path) -> str:
     latest = read_json(Path(root) / "checkpoints" / "latest.json", default=None)
     where = (f"its last checkpoint (step {latest['step']})" if isinstance(latest, dict) and "step" in latest
              else "its start (no checkpoint yet)")
-    return (f"free space (or raise your quota) under {root}, or choose another run_dir, and run the same command "
-            f"again: the run resumes from {where}")
+    return (f"free space (or raise your quota) under {root}, or move that folder where there is room, then launch "
+            f"the same command with run_dir=<the folder>: the run resumes from {where}")
+
+
+def resume_command(root: Path, overrides: Sequence[str]) -> str:
+    """The command that goes on with the run in `root`: the launch's overrides, with run_dir naming that folder (the
+    default run_dir names a new folder by the time of each launch; absolute, for any working directory) and without
+    overwrite=."""
+    kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in ("run_dir", "overwrite")]
+    kept.append(f"run_dir={Path(root).absolute()}")
+    return " ".join(["python -m rlhpc.launch", *map(shlex.quote, kept)])
 
 
 def free_bytes(path: Path) -> Optional[int]:

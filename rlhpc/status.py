@@ -99,6 +99,8 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
         out["jobs"].append(job)
 
     last = out["jobs"][-1] if out["jobs"] else None
+    if (run.status / "REQUEUE").exists() and _config_value(run, "launcher.name") == "local":  # Ctrl-C or SIGTERM
+        out["state"] = f"stopped with a checkpoint: launch again with run_dir={run.root} to go on"
     if last and last.get("state") in FINAL and out["state"] not in ("finished", "failed"):
         # The files say nothing ended (a cancelled job, one that failed before any role wrote its marker): Slurm does.
         out["state"] = f"stopped: its Slurm job {last['job_id']} ended {last['state']}"
@@ -169,11 +171,17 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
 
 
 def _config_steps(run: RunDir) -> Optional[int]:
+    steps = _config_value(run, "trainer.steps")
+    return steps if isinstance(steps, int) else None  # an unreadable config only costs the "of N"
+
+
+def _config_value(run: RunDir, key: str) -> Any:
+    """The value of `key` in the run's config.yaml, or None where it cannot be read."""
     try:
         from omegaconf import OmegaConf
 
-        return int(OmegaConf.load(run.config).trainer.steps)
-    except Exception:  # an unreadable config only costs the "of N"
+        return OmegaConf.select(OmegaConf.load(run.config), key)
+    except Exception:  # noqa: BLE001 - a config damaged by a foreign hand: the status shows the rest
         return None
 
 

@@ -157,8 +157,8 @@ def test_a_disk_that_fills_mid_run_stops_it_at_once_naming_it_and_the_same_comma
     assert proc.returncode == 1, err[-3000:]
     assert stopped_s < 60, f"the run took {stopped_s:.0f}s to stop on a full disk"
     assert f"run_dir is out of space: No space left on device under {run} (0 B free); free space (or raise your " \
-           f"quota) under {run}, or choose another run_dir, and run the same command again: the run resumes from its " \
-           "last checkpoint (step " in err, err[-3000:]
+           f"quota) under {run}, or move that folder where there is room, then launch the same command with " \
+           "run_dir=<the folder>: the run resumes from its last checkpoint (step " in err, err[-3000:]
     assert leftovers(run) == [], "a failed write left a temporary file holding space"
     kept = json.loads(latest.read_text())
     assert (run / "checkpoints" / kept["path"] / "trainer.json").exists()  # whole: written before latest.json

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -137,12 +138,22 @@ def test_a_run_stopped_by_sigterm_resumes_from_its_checkpoint_and_trains_each_gr
     run_dir = tmp_path / "run"
     steps = 60
     args = [sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", f"trainer.steps={steps}"]
-    ledger = stop_after(args, run_dir, 3)
+    ledger, err = stop_after(args, run_dir, 3)
     stopped_at = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
     assert 3 <= stopped_at < steps
     assert not (run_dir / "summary.json").exists()
+    # The launcher says what was kept and the command that goes on: the user's, with run_dir named (the default one
+    # would name a new folder).
+    assert f"stopped: the trainer checkpointed on the way out; RL goes on at step {stopped_at} of {steps}. To go on:" \
+        in err, err[-2000:]
+    command = shlex.split(err.rsplit("To go on:", 1)[1].strip().splitlines()[0])
+    assert command[:3] == ["python", "-m", "rlhpc.launch"] and f"run_dir={run_dir}" in command
+    status = subprocess.run([sys.executable, "-m", "rlhpc.status", str(run_dir), "--no-slurm"], capture_output=True,
+                            text=True, timeout=60)
+    assert f"state:   stopped with a checkpoint: launch again with run_dir={run_dir} to go on" in status.stdout, \
+        status.stdout
 
-    resumed = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    resumed = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_at"] == [stopped_at] and summary["rl_steps"] == steps
@@ -151,15 +162,16 @@ def test_a_run_stopped_by_sigterm_resumes_from_its_checkpoint_and_trains_each_gr
 
 def stop_after(args, run_dir, lines: int):
     """Starts the launch `args`, and once its ledger has `lines` steps, stops it with SIGTERM (the trainer checkpoints);
-    returns the ledger's path."""
+    returns the ledger's path and the launcher's stderr."""
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ledger = run_dir / "queue" / "ledger.jsonl"
     deadline = time.time() + 180
     while time.time() < deadline and (not ledger.exists() or len(ledger.read_text().splitlines()) < lines):
         time.sleep(0.1)
     p.send_signal(signal.SIGTERM)
-    p.communicate(timeout=60)
-    return ledger
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 143, err[-2000:]
+    return ledger, err
 
 
 def assert_each_step_and_group_once(ledger, steps: int):
@@ -178,7 +190,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one
     steps = 40
     args = [sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", f"trainer.steps={steps}",
             "trainer.checkpoint_interval=2", "eval.interval=1"]
-    ledger = stop_after(args, run_dir, 5)
+    ledger, _ = stop_after(args, run_dir, 5)
     first_curve = read_curve(RunDir(run_dir))
     newest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
     kept = sorted(d.name for d in (run_dir / "checkpoints").glob("step_*"))
