@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -110,10 +111,15 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
 
     rows = _metrics_tail(run.logs / "trainer-0.metrics.jsonl", run=run, bad=bad)
     heartbeats = run.heartbeats(bad)
+    if out["state"] == "running or not started" and _config_value(run, "launcher.name") == "local":
+        gone = _launcher_gone(run, heartbeats)
+        if gone:
+            out["state"] = (f"stopped: its launcher ({gone}) and its roles are gone, and none said why (killed?); "
+                            f"launch again with run_dir={run.root} to go on")
     hb = heartbeats.get("trainer-0", {})
     trainer: Dict[str, Any] = {}
     if hb.get("phase") == "sft":
-        # The metrics carry every SFT step (the heartbeat one in 20, numbered from 0).
+        # The metrics carry every SFT step (the heartbeat at most one a second).
         done = [r["step"] for r in rows if "sft/loss" in r]
         trainer.update(phase="sft", sft_step=max(done) if done else hb.get("sft_step"), sft_steps=hb.get("sft_steps"))
     saved = read_json_object(run.sft_state / "state.json", bad, numbers=("step",))
@@ -168,6 +174,33 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
         if full:
             out["disk_problem"] = f"out of space: {full}; {out_of_space_advice(run.root)}"
     return out
+
+
+def _launcher_gone(run: RunDir, heartbeats: Dict[str, Dict[str, Any]]) -> Optional[str]:
+    """For a local run: its launcher ("pid N on <host>", from the launch lock) when neither it nor any role that beat
+    is alive on this machine; None when one is, or when this machine cannot tell (a launch from another host)."""
+    from rlhpc.preflight import LAUNCH_LOCK
+
+    try:
+        holder = (run.root / LAUNCH_LOCK).read_text().strip()
+    except OSError:
+        return None
+    words, here = holder.split(), os.uname().nodename
+    if len(words) != 4 or words[0] != "pid" or not words[1].isdigit() or words[3] != here:
+        return None
+    pids = [int(words[1])] + [hb["pid"] for hb in heartbeats.values()
+                              if type(hb.get("pid")) is int and hb.get("host") == here]
+    return None if any(_alive(pid) for pid in pids) else holder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        pass
+    return True
 
 
 def _config_steps(run: RunDir) -> Optional[int]:

@@ -101,6 +101,51 @@ def test_a_logs_tail_shows_the_process_that_ended_not_an_earlier_attempts_last_w
     unmarked.write_text("a\nb\nc\n")
     assert tail(unmarked, 2) == "b\nc"
 
+# A role that, on SIGTERM, takes `delay` seconds to end (a trainer finishing its step and checkpointing) and exits 75.
+SLOW_TO_END = """
+import signal, sys, time
+def on_term(*_):
+    time.sleep(float(sys.argv[1]))
+    sys.exit(75)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def slow_roles(tmp_path, delays):
+    from rlhpc.cluster.local_launcher import Proc
+
+    procs = []
+    for (role, delay) in delays:
+        log = open(tmp_path / f"{role}.log", "w+")
+        popen = subprocess.Popen([sys.executable, "-c", SLOW_TO_END, str(delay)], stdout=subprocess.PIPE, text=True,
+                                 start_new_session=True)
+        assert popen.stdout.readline() == "ready\n"
+        procs.append(Proc(role, 0, 1, popen, log))
+    return procs
+
+
+def test_on_a_stop_the_trainer_gets_its_grace_to_checkpoint_and_a_second_ctrl_c_cuts_it_short(tmp_path):
+    """The local launcher's end of a stopped run: workers get 10 s, the trainer cluster.grace_s to finish its step and
+    save (here 3 s of work: it exits 75, not killed); a second Ctrl-C (`cut`) kills at once."""
+    from rlhpc.cluster.local_launcher import LocalLauncher
+
+    launcher = LocalLauncher.__new__(LocalLauncher)
+    launcher.procs = slow_roles(tmp_path, [("trainer", 3), ("inference", 0)])
+    t0 = time.time()
+    launcher.end_all(grace_s=1, trainer_grace_s=30)
+    assert [p.popen.returncode for p in launcher.procs] == [75, 75]
+    assert 3 <= time.time() - t0 < 10
+
+    launcher.procs = slow_roles(tmp_path, [("trainer", 60)])
+    t0, cut_at = time.time(), time.time() + 1
+    launcher.end_all(grace_s=1, trainer_grace_s=120, cut=lambda: time.time() > cut_at)
+    assert launcher.procs[0].popen.returncode == -signal.SIGKILL
+    assert time.time() - t0 < 10
+
+
 @pytest.mark.slow
 def test_sigint_ends_every_process_the_launcher_started(tmp_path):
     run_dir = tmp_path / "run"

@@ -52,6 +52,26 @@ def test_a_local_run_shows_step_rewards_queue_and_heartbeats_and_no_slurm_job(tm
     assert "s ago" in out
 
 
+def test_a_local_run_whose_launcher_and_roles_are_gone_is_stopped_not_running(tmp_path):
+    """A local run killed outright (its launcher kill -9'd, the machine restarted) leaves no marker; its launch lock
+    names the launcher's pid, and neither it nor the roles' pids live: the status says so, and how to go on."""
+    run = a_run(tmp_path)
+    with open(run.config, "a") as f:
+        f.write("launcher:\n  name: local\n")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is free now
+    (run.root / ".launch.lock").write_text(f"pid {dead.pid} on {os.uname().nodename}\n")
+    for name in ("trainer-0", "inference-0", "inference-1"):
+        beat = json.loads((run.status / f"{name}.json").read_text())
+        write_json(run.status / f"{name}.json", dict(beat, pid=dead.pid))
+    out = status(run.root, "--no-slurm").stdout
+    assert (f"state:   stopped: its launcher (pid {dead.pid} on {os.uname().nodename}) and its roles are gone, and "
+            f"none said why (killed?); launch again with run_dir={run.root} to go on") in out, out
+    # A role still alive (this process, say): still running.
+    write_json(run.status / "inference-1.json", dict(beat, pid=os.getpid()))
+    assert "state:   running or not started" in status(run.root, "--no-slurm").stdout
+
+
 def test_a_failed_run_names_the_role_its_error_and_the_end_of_its_log(tmp_path):
     run = a_run(tmp_path)
     run.log_file("inference", 1).write_text("starting\nTraceback (most recent call last):\nRuntimeError: boom\n")

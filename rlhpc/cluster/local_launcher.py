@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import IO, List
+from typing import IO, Callable, List, Optional
 
 from rlhpc.config import Config
 from rlhpc.infer.engines.disagg import describe as disagg_describe
@@ -109,7 +109,9 @@ class LocalLauncher:
         stop = {"signal": None}
 
         def on_signal(signum, frame):  # noqa: ARG001
-            stop["signal"] = signum
+            if stop["signal"] is not None:  # a second Ctrl-C: the trainer's checkpoint is not waited for
+                stop["again"] = True
+            stop["signal"] = stop["signal"] or signum
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -128,7 +130,13 @@ class LocalLauncher:
             print(f"run_dir: {run.root}\nlogs:    {run.logs}/  (tensorboard --logdir {run.tb})", flush=True)
             code = self.watch(run, t0, stop)
         finally:
-            self.end_all()
+            if stop["signal"] is None:
+                self.end_all()
+            else:  # the trainer ends its step and checkpoints (rlhpc/stop.py): a step and a save may take a while
+                grace = cfg.cluster.grace_s
+                print(f"waiting up to cluster.grace_s={grace}s for the trainer to checkpoint (Ctrl-C again to end it "
+                      f"now)", file=sys.stderr, flush=True)
+                self.end_all(trainer_grace_s=grace, cut=lambda: stop.get("again", False))
             for s, h in old.items():
                 signal.signal(s, h)
         if code == 0:
@@ -222,17 +230,21 @@ class LocalLauncher:
                     return p
         return first
 
-    def end_all(self, grace_s: float = 10.0) -> None:
-        """SIGTERM to each role's process group, then SIGKILL what is left after `grace_s`."""
+    def end_all(self, grace_s: float = 10.0, trainer_grace_s: Optional[float] = None,
+                cut: Callable[[], bool] = lambda: False) -> None:
+        """SIGTERM to each role's process group, then SIGKILL what is left after `grace_s` (trainers: after
+        `trainer_grace_s`, when given), or as soon as `cut()` says so."""
         alive = [p for p in self.procs if p.popen.poll() is None]
         for p in alive:
             _killpg(p.popen.pid, signal.SIGTERM)
-        deadline = time.time() + grace_s
-        for p in alive:
-            try:
-                p.popen.wait(timeout=max(0.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                pass
+        t0 = time.time()
+
+        def waited_for(p: Proc) -> bool:
+            limit = trainer_grace_s if p.role == "trainer" and trainer_grace_s is not None else grace_s
+            return p.popen.poll() is None and time.time() - t0 < limit
+
+        while any(waited_for(p) for p in alive) and not cut():
+            time.sleep(0.1)
         for p in self.procs:
             _killpg(p.popen.pid, signal.SIGKILL)  # also any grandchildren left in the group
             if p.popen.poll() is None:
@@ -263,14 +275,16 @@ class _Progress:
         if not hb:
             return
         phase = hb.get("phase", "rl")
+        n = hb.get("sft_step", 0) if phase == "sft" else hb.get("step", 0)
         if phase != self.phase:
             if self.bar:
                 self.bar.close()
             total = self.cfg.sft.steps if phase == "sft" else self.cfg.trainer.steps
-            self.bar = self.tqdm(total=total, desc=phase.upper(), unit="step", dynamic_ncols=True)
+            # Starting at the step first seen (a resumed run's, say): its rate counts only the steps it saw taken.
+            self.bar = self.tqdm(total=total, initial=n, desc=phase.upper(), unit="step", dynamic_ncols=True)
             self.phase = phase
-        n = hb.get("sft_step", 0) if phase == "sft" else hb.get("step", 0)
-        self.bar.n = n
+        elif n > self.bar.n:
+            self.bar.update(n - self.bar.n)
         post = {"loss": f"{hb.get('loss', 0):.3f}"}
         if phase != "sft":
             post.update(reward=f"{hb.get('reward', 0):.3f}", heldout=f"{hb.get('heldout', 0):.3f}")
