@@ -100,7 +100,7 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
         out["jobs"].append(job)
 
     last = out["jobs"][-1] if out["jobs"] else None
-    if (run.status / "REQUEUE").exists() and _config_value(run, "launcher.name") == "local":  # Ctrl-C or SIGTERM
+    if out["state"].startswith("checkpointed") and _config_value(run, "launcher.name") == "local":  # Ctrl-C, SIGTERM
         out["state"] = f"stopped with a checkpoint: launch again with run_dir={run.root} to go on"
     if last and last.get("state") in FINAL and out["state"] not in ("finished", "failed"):
         # The files say nothing ended (a cancelled job, one that failed before any role wrote its marker): Slurm does.

@@ -23,9 +23,12 @@ from test_launch import rlhpc_processes
 # runs of this test since: 0.504, 0.511 (its disturbed twin 0.575: a difference of 0.064 from noise alone), so the
 # undisturbed runs span 0.504-0.576, and the tolerance is wider than that range.
 REWARD_TOLERANCE = 0.09
-# Disturbed runs gained +0.086 to +0.132 over the warm start (those three and this test's own run): a disturbed run
-# must gain at least this much, so a run that trained on little or nothing fails even when its undisturbed twin is low.
-MIN_GAIN = 0.04
+# Disturbed runs gained +0.086 to +0.132 over the warm start (those three and this test's own run) on the first
+# machine; on a second one, whose numerics give another warm start (0.418), +0.032 and +0.057 here and +0.033 in
+# tests/test_chaos_slurm.py (undisturbed twins +0.057, +0.062), 2026-12-06. A disturbed run must gain at least this
+# much, so a run that trained on nothing (its reward is the warm start's, to the digit) fails even when its undisturbed
+# twin is low; the ledger checks above show that every step trained.
+MIN_GAIN = 0.02
 
 
 @pytest.mark.slow

@@ -130,7 +130,7 @@ class LocalLauncher:
             print(f"run_dir: {run.root}\nlogs:    {run.logs}/  (tensorboard --logdir {run.tb})", flush=True)
             code = self.watch(run, t0, stop)
         finally:
-            if stop["signal"] is None:
+            if stop["signal"] is None or not any(p.role == "trainer" and p.popen.poll() is None for p in self.procs):
                 self.end_all()
             else:  # the trainer ends its step and checkpoints (rlhpc/stop.py): a step and a save may take a while
                 grace = cfg.cluster.grace_s
