@@ -107,8 +107,12 @@ def _worker(roots, rank, world, ep, ports, queue):
 def on_ranks(roots, world, ep):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["rlhpc.train.trainer", "test_trainer_math"])
-    ports = [free_port() for _ in roots]
-    status, results = first_report(ctx, _worker, lambda r, out: (roots, r, world, ep, ports, out), world, timeout=300)
+    for attempt in range(3):  # a port found free can be taken before rank 0 listens on it: new ports, again
+        ports = [free_port() for _ in roots]
+        status, results = first_report(ctx, _worker, lambda r, out: (roots, r, world, ep, ports, out), world,
+                                       timeout=300)
+        if status == "ok" or "EADDRINUSE" not in str(results):
+            break
     assert status == "ok", results
     return results
 

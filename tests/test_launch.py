@@ -3,6 +3,7 @@
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -235,12 +236,19 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one
     steps = 40
     args = [sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", f"trainer.steps={steps}",
             "trainer.checkpoint_interval=2", "eval.interval=1"]
-    ledger, _ = stop_after(args, run_dir, 5)
-    first_curve = read_curve(RunDir(run_dir))
-    newest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
-    kept = sorted(d.name for d in (run_dir / "checkpoints").glob("step_*"))
-    assert len(kept) == 2 and kept[-1] == f"step_{newest:08d}", kept
-    older = int(kept[0].split("_")[1])
+    # The purge below is tested only if worker 0 evaluated a version past the older checkpoint before the stop; when
+    # its evaluations lag behind the trainer (a loaded machine), the first attempt is made again, from scratch.
+    for attempt in range(3):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        ledger, _ = stop_after(args, run_dir, 5)
+        first_curve = read_curve(RunDir(run_dir))
+        newest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
+        kept = sorted(d.name for d in (run_dir / "checkpoints").glob("step_*"))
+        assert len(kept) == 2 and kept[-1] == f"step_{newest:08d}", kept
+        older = int(kept[0].split("_")[1])
+        if any(v > older for v, _ in first_curve):
+            break
+    assert any(v > older for v, _ in first_curve), (older, first_curve)
     data = run_dir / "checkpoints" / kept[-1] / "__0_0.distcp"
     os.truncate(data, data.stat().st_size // 2)
 
@@ -258,7 +266,6 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one
     assert [r["step"] for r in read_rows(RunDir(run_dir), "trainer") if "lr" in r] == list(range(1, steps + 1))
     # So were held-out evaluations of versions past it: the curve and TensorBoard show the second attempt's, once.
     curve = read_curve(RunDir(run_dir))
-    assert any(v > older for v, _ in first_curve), first_curve
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir / "tb" / "inference-0" / "eval"))
