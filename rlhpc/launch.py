@@ -73,7 +73,7 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = F
 def stopped_note(run: RunDir, cfg: Config, overrides: Optional[List[str]]) -> str:
     """What a local run stopped by Ctrl-C or SIGTERM kept, and the command that goes on from there."""
     try:
-        saved = read_json(run.status / "REQUEUE")  # the trainer's, when it saved its state on the way out
+        saved = read_json(run.requeue)  # the trainer's, when it saved its state on the way out
         latest = read_json(run.checkpoints / "latest.json")
     except ValueError:  # garbled by a foreign hand; the next launch says what it resumes from
         saved = latest = None

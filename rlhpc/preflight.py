@@ -367,7 +367,7 @@ def prepare_run_dir(cfg: Config) -> RunDir:
         run.make()
     except OSError as e:
         raise RunDirError(f"run_dir={run.root} cannot be created: {one_line(e)}; choose another run_dir") from None
-    for stale in (run.failed, run.status / "REQUEUE"):  # an earlier attempt's: this one writes its own
+    for stale in (run.failed, run.requeue):  # an earlier attempt's: this one writes its own
         stale.unlink(missing_ok=True)
     config_mod.save(cfg, run.config)
     return run
@@ -424,6 +424,17 @@ def launch_lock(root: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def launcher_of(root: Path) -> Optional[Tuple[int, str]]:
+    """(pid, host) of the last launch into `root`, as its launch lock recorded it; None if there is no such record."""
+    try:
+        words = (Path(root) / LAUNCH_LOCK).read_text().split()
+    except OSError:
+        return None
+    if len(words) == 4 and words[0] == "pid" and words[1].isdigit() and words[2] == "on":
+        return int(words[1]), words[3]
+    return None
+
+
 def check_not_running(run: RunDir) -> None:
     """Refuses a run directory that a live run still writes: a Slurm job of the run (jobs.json) that has not ended (the
     job this process runs in excepted: sbatch/rlhpc.sbatch launches inside its job, again after a requeue), or roles
@@ -440,18 +451,9 @@ def check_not_running(run: RunDir) -> None:
         if state.components and not state.final and state.state not in FINAL:
             raise RunDirError(f"run_dir={run.root} is being written by Slurm job {job} ({state.state}): let it end, or "
                               f"`scancel {job}`, before launching into it again; or choose another run_dir")
-    host = os.uname().nodename
-    for name, beat in run.heartbeats({}).items():
-        pid = beat.get("pid")
-        if beat.get("host") != host or not isinstance(pid, int) or time.time() - beat.get("time", 0) > 300:
-            continue
-        try:
-            alive = b"rlhpc.role" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            alive = False
-        if alive:
-            raise RunDirError(f"run_dir={run.root} is being written by a running launch ({name} is pid {pid}): stop it "
-                              "(Ctrl-C in its terminal) before launching into it again; or choose another run_dir")
+    for name, pid in list(run.live_roles().items())[:1]:  # the first one found names the launch
+        raise RunDirError(f"run_dir={run.root} is being written by a running launch ({name} is pid {pid}): stop it "
+                          "(Ctrl-C in its terminal) before launching into it again; or choose another run_dir")
 
 
 def check_resume(run: RunDir, cfg: Config) -> None:

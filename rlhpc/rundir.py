@@ -119,6 +119,14 @@ def resume_command(root: Path, overrides: Sequence[str]) -> str:
     return " ".join(["python -m rlhpc.launch", *map(shlex.quote, kept)])
 
 
+def runs_module(pid: int, module: str) -> bool:
+    """Whether process `pid` of this machine runs `python -m <module>` (read from its command line)."""
+    try:
+        return module.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def free_bytes(path: Path) -> Optional[int]:
     """Bytes free for this user on the filesystem that holds `path` (or its nearest existing parent)."""
     path = Path(path).absolute()
@@ -269,6 +277,11 @@ class RunDir:
     def failed(self) -> Path:
         return self.status / "FAILED"
 
+    @property
+    def requeue(self) -> Path:
+        """Written by the trainer when it checkpointed on a stop signal: the step the run goes on at."""
+        return self.status / "REQUEUE"
+
     def failure(self) -> Optional[str]:
         """What status/FAILED says (the first role that failed), or None."""
         info = read_json(self.failed)
@@ -304,3 +317,15 @@ class RunDir:
             if info:
                 out[p.stem] = info
         return out
+
+    def live_roles(self, heartbeats: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, int]:
+        """The roles of this run alive on this machine, name -> pid: a heartbeat of the last 5 minutes from this host
+        whose pid still runs `rlhpc.role` (a pid reused by another program does not count)."""
+        host = os.uname().nodename
+        live = {}
+        for name, beat in (self.heartbeats({}) if heartbeats is None else heartbeats).items():
+            pid = beat.get("pid")
+            if beat.get("host") == host and type(pid) is int and time.time() - beat.get("time", 0) <= 300 \
+                    and runs_module(pid, "rlhpc.role"):
+                live[name] = pid
+        return live

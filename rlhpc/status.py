@@ -19,8 +19,8 @@ from typing import Any, Dict, List, Optional
 
 from rlhpc.metrics import bottleneck, busy_by_process, current, phase_of
 from rlhpc.procs import tail
-from rlhpc.rundir import (RunDir, free_bytes, is_number, out_of_space_advice, read_json_object, size_text,
-                          space_problem)
+from rlhpc.rundir import (RunDir, free_bytes, is_number, out_of_space_advice, read_json_object, runs_module,
+                          size_text, space_problem)
 from rlhpc.train.evaluation import read_curve
 
 # The files the status could not read -> why (rlhpc.rundir.read_json_object); shown by their path in the run directory.
@@ -78,7 +78,7 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
         out["state"] = "finished"
     elif run.failed.exists():
         out["state"] = "failed"
-    elif (run.status / "REQUEUE").exists():
+    elif run.requeue.exists():
         out["state"] = "checkpointed, waiting to be requeued"
     else:
         out["state"] = "running or not started"
@@ -100,7 +100,8 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
         out["jobs"].append(job)
 
     last = out["jobs"][-1] if out["jobs"] else None
-    if out["state"].startswith("checkpointed") and _config_value(run, "launcher.name") == "local":  # Ctrl-C, SIGTERM
+    local = _config_value(run, "launcher.name") == "local"
+    if out["state"].startswith("checkpointed") and local:  # stopped by Ctrl-C or SIGTERM: no requeue will come
         out["state"] = f"stopped with a checkpoint: launch again with run_dir={run.root} to go on"
     if last and last.get("state") in FINAL and out["state"] not in ("finished", "failed"):
         # The files say nothing ended (a cancelled job, one that failed before any role wrote its marker): Slurm does.
@@ -111,7 +112,7 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
 
     rows = _metrics_tail(run.logs / "trainer-0.metrics.jsonl", run=run, bad=bad)
     heartbeats = run.heartbeats(bad)
-    if out["state"] == "running or not started" and _config_value(run, "launcher.name") == "local":
+    if out["state"] == "running or not started" and local:
         gone = _launcher_gone(run, heartbeats)
         if gone:
             out["state"] = (f"stopped: its launcher ({gone}) and its roles are gone, and none said why (killed?); "
@@ -177,30 +178,16 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
 
 
 def _launcher_gone(run: RunDir, heartbeats: Dict[str, Dict[str, Any]]) -> Optional[str]:
-    """For a local run: its launcher ("pid N on <host>", from the launch lock) when neither it nor any role that beat
+    """For a local run: its launcher ("pid N on <host>", from the launch lock) when neither it nor any role of the run
     is alive on this machine; None when one is, or when this machine cannot tell (a launch from another host)."""
-    from rlhpc.preflight import LAUNCH_LOCK
+    from rlhpc.preflight import launcher_of
 
-    try:
-        holder = (run.root / LAUNCH_LOCK).read_text().strip()
-    except OSError:
+    launcher = launcher_of(run.root)
+    if launcher is None or launcher[1] != os.uname().nodename:
         return None
-    words, here = holder.split(), os.uname().nodename
-    if len(words) != 4 or words[0] != "pid" or not words[1].isdigit() or words[3] != here:
+    if runs_module(launcher[0], "rlhpc.launch") or run.live_roles(heartbeats):
         return None
-    pids = [int(words[1])] + [hb["pid"] for hb in heartbeats.values()
-                              if type(hb.get("pid")) is int and hb.get("host") == here]
-    return None if any(_alive(pid) for pid in pids) else holder
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: alive
-        pass
-    return True
+    return f"pid {launcher[0]} on {launcher[1]}"
 
 
 def _config_steps(run: RunDir) -> Optional[int]:

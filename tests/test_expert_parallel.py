@@ -107,7 +107,7 @@ def _worker(roots, rank, world, ep, ports, queue):
 def on_ranks(roots, world, ep):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["rlhpc.train.trainer", "test_trainer_math"])
-    for attempt in range(3):  # a port found free can be taken before rank 0 listens on it: new ports, again
+    for _ in range(3):  # a port found free can be taken before rank 0 listens on it: new ports, again
         ports = [free_port() for _ in roots]
         status, results = first_report(ctx, _worker, lambda r, out: (roots, r, world, ep, ports, out), world,
                                        timeout=300)

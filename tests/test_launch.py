@@ -119,7 +119,7 @@ def slow_roles(tmp_path, delays):
     from rlhpc.cluster.local_launcher import Proc
 
     procs = []
-    for (role, delay) in delays:
+    for role, delay in delays:
         log = open(tmp_path / f"{role}.log", "w+")
         popen = subprocess.Popen([sys.executable, "-c", SLOW_TO_END, str(delay)], stdout=subprocess.PIPE, text=True,
                                  start_new_session=True)
@@ -238,7 +238,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one
             "trainer.checkpoint_interval=2", "eval.interval=1"]
     # The purge below is tested only if worker 0 evaluated a version past the older checkpoint before the stop; when
     # its evaluations lag behind the trainer (a loaded machine), the first attempt is made again, from scratch.
-    for attempt in range(3):
+    for _ in range(3):
         shutil.rmtree(run_dir, ignore_errors=True)
         ledger, _ = stop_after(args, run_dir, 5)
         first_curve = read_curve(RunDir(run_dir))

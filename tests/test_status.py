@@ -67,9 +67,38 @@ def test_a_local_run_whose_launcher_and_roles_are_gone_is_stopped_not_running(tm
     out = status(run.root, "--no-slurm").stdout
     assert (f"state:   stopped: its launcher (pid {dead.pid} on {os.uname().nodename}) and its roles are gone, and "
             f"none said why (killed?); launch again with run_dir={run.root} to go on") in out, out
-    # A role still alive (this process, say): still running.
-    write_json(run.status / "inference-1.json", dict(beat, pid=os.getpid()))
-    assert "state:   running or not started" in status(run.root, "--no-slurm").stdout
+    # A role still alive, or the launcher (processes whose command lines name them, as theirs do): still running.
+    for module, mark in (("rlhpc.role", run.status / "inference-1.json"), ("rlhpc.launch", run.root / ".launch.lock")):
+        alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", module])
+        try:
+            if module == "rlhpc.role":
+                write_json(mark, dict(beat, pid=alive.pid))
+            else:
+                mark.write_text(f"pid {alive.pid} on {os.uname().nodename}\n")
+            assert "state:   running or not started" in status(run.root, "--no-slurm").stdout, module
+        finally:
+            alive.kill()
+            alive.wait()
+
+
+def test_a_launch_into_a_run_dir_that_a_live_role_writes_is_refused_and_accepted_once_it_ends(tmp_path):
+    """The same live-role test as the status's (RunDir.live_roles) guards a relaunch: a fresh heartbeat from this
+    host whose pid runs rlhpc.role refuses it; once that process is gone the launch may go on."""
+    from rlhpc.preflight import RunDirError, check_not_running
+
+    run = a_run(tmp_path)
+    for name in ("inference-0", "inference-1"):
+        (run.status / f"{name}.json").unlink()
+    role = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "rlhpc.role"])
+    try:
+        beat = json.loads((run.status / "trainer-0.json").read_text())
+        write_json(run.status / "trainer-0.json", dict(beat, pid=role.pid))
+        with pytest.raises(RunDirError, match=f"being written by a running launch \\(trainer-0 is pid {role.pid}\\)"):
+            check_not_running(run)
+    finally:
+        role.kill()
+        role.wait()
+    check_not_running(run)
 
 
 def test_a_failed_run_names_the_role_its_error_and_the_end_of_its_log(tmp_path):

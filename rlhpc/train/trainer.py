@@ -240,7 +240,7 @@ class Trainer:
         """Rank 0 tells the launcher to requeue (status/REQUEUE: the step the run resumes at, which the job script's
         no-progress guard compares, and `extra`, e.g. the warm start's saved SFT step)."""
         if self.is_main:
-            write_json(self.run.status / "REQUEUE", {"step": step, **extra, "signal": stop_requested(),
+            write_json(self.run.requeue, {"step": step, **extra, "signal": stop_requested(),
                                                      "time": time.time()})
         return "requeue"
 

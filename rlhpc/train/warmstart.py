@@ -80,13 +80,14 @@ def warm_start(cfg: Config, run: RunDir, env: Environment, metrics: Metrics, ran
     t0 = time.time() - (saved["wall_time_s"] if saved else 0.0)
     metrics.resumed("sft", saved["step"] if saved else 0)  # what an earlier attempt logged past it is trained again
 
-    beat = [0.0]  # when the last heartbeat was written
+    last_beat = 0.0
 
     def on_step(s: int, loss: float) -> None:
+        nonlocal last_beat
         metrics.log(s + 1, {"sft/loss": loss})
-        if time.time() - beat[0] >= 1.0:  # the progress bar's: at most one a second, whatever a step takes
+        if time.time() - last_beat >= 1.0:  # the progress bar's: at most one a second, whatever a step takes
             run.heartbeat("trainer", rank, phase="sft", sft_step=s + 1, sft_steps=cfg.sft.steps, loss=loss)
-            beat[0] = time.time()
+            last_beat = time.time()
 
     def on_check(s: int, reward: float) -> None:
         metrics.log(s, {"sft/validation_reward": reward})
