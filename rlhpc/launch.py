@@ -19,6 +19,7 @@ from rlhpc import preflight
 from rlhpc.cluster import memory
 from rlhpc.config import CONF_DIR, Config, ConfigError
 from rlhpc.preflight import RunDirError, config_key_error, prepare_run_dir
+from rlhpc.procs import STOP_SIGNALS, exit_code
 from rlhpc.rundir import RunDir, read_json, resume_command
 
 
@@ -65,13 +66,13 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = F
     with preflight.launch_lock(Path(cfg.run_dir)):
         run = prepare_run_dir(cfg)
         code = launcher.start(run)
-    if cfg.launcher.name == "local" and code in (130, 143):  # Ctrl-C or SIGTERM: the roles have ended
+    if cfg.launcher.name == "local" and code in map(exit_code, STOP_SIGNALS):  # stopped: the roles have ended
         print(stopped_note(run, cfg, overrides), file=sys.stderr)
     return code
 
 
 def stopped_note(run: RunDir, cfg: Config, overrides: Optional[List[str]]) -> str:
-    """What a local run stopped by Ctrl-C or SIGTERM kept, and the command that goes on from there."""
+    """What a local run stopped by Ctrl-C, SIGTERM or SIGHUP kept, and the command that goes on from there."""
     try:
         saved = read_json(run.requeue)  # the trainer's, when it saved its state on the way out
         latest = read_json(run.checkpoints / "latest.json")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import stat
 from pathlib import Path
+from typing import Any, Callable, Dict
 
 TAIL_LINES = 20
 
@@ -24,6 +27,46 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+# What stops a process that follows a run (a launcher, attached workers, a server): Ctrl-C, SIGTERM (kill, a
+# scheduler) and SIGHUP (the terminal it was started from was closed). Without a handler SIGHUP would end the launcher
+# alone: its roles run in sessions of their own, so they do not get it, and they would go on with no one to end them.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def on_stop_signals(handler: Callable[[int, Any], None]) -> Dict[int, Any]:
+    """Installs `handler` for STOP_SIGNALS, but for one this process was started ignoring (`nohup` ignores SIGHUP:
+    the run then goes on after the terminal closes, as asked). A SIGHUP first points stdout and stderr away from the
+    closed terminal (terminal_gone). Returns the previous handlers, to put back with `signal.signal`."""
+    def on_signal(signum: int, frame: Any) -> None:
+        if signum == signal.SIGHUP:
+            terminal_gone()
+        handler(signum, frame)
+
+    return {s: signal.signal(s, on_signal) for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+
+
+def exit_code(signum: int) -> int:
+    """The exit status of a process ended by `signum`, as a shell reports it (130 for SIGINT, 143 for SIGTERM, 129 for
+    SIGHUP)."""
+    return 128 + signum
+
+
+def terminal_gone() -> None:
+    """Points stdout and stderr to /dev/null where they are terminals (character devices). After a hang-up, writing to
+    the terminal raises OSError (EIO): a message printed on the way out would cut the ending short, leaving the roles
+    running. Files and pipes are kept: they can still be read."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            try:
+                if stat.S_ISCHR(os.fstat(fd).st_mode):
+                    os.dup2(null, fd)
+            except OSError:
+                continue  # closed: nothing to write to anyway
+    finally:
+        os.close(null)
 
 
 # The first line the local launcher writes into a role's log when it starts the process: a log is appended to over the

@@ -7,18 +7,19 @@ The same server as a training run's workers (rlhpc.infer.server: OpenAI-compatib
 /inference/v1/generate) over one engine (`inference.engine`: hf or vllm). Without `model.path` it serves the tiny
 model built in code. It prints the address and the token (none with `inference.serve_open=true`) and writes them under
 `run_dir/rendezvous/` (serve-0.json, serving-token.json), where `rlhpc.eval eval.run=<run_dir>`, `rlhpc.status` and
-`rlhpc.infer.server.endpoint(run_dir)` find them. Serves until Ctrl-C or SIGTERM.
+`rlhpc.infer.server.endpoint(run_dir)` find them. Serves until Ctrl-C, SIGTERM or SIGHUP (unless started under `nohup`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 from pathlib import Path
 from typing import Optional, Tuple
+
+from rlhpc.procs import on_stop_signals
 
 log = logging.getLogger("rlhpc.serve")
 
@@ -114,8 +115,7 @@ def main() -> None:
                 os._exit(130)
             stop.set()
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, on_signal)
+        on_stop_signals(on_signal)
         print(f"serving {server.model} ({path}, engine {cfg.inference.engine}) at {server.url}", flush=True)
         print(f"token: {server.token}" if server.token else "token: none (inference.serve_open=true)", flush=True)
         print(f"rendezvous: {run.rendezvous}/serve-0.json", flush=True)

@@ -165,6 +165,62 @@ def test_sigint_ends_every_process_the_launcher_started(tmp_path):
 
 
 @pytest.mark.slow
+def test_closing_the_terminal_ends_every_process_and_the_trainer_checkpoints(tmp_path):
+    """A launcher whose terminal is closed gets SIGHUP; its roles, in sessions of their own, do not. It ends them as on
+    Ctrl-C, though printing to the closed terminal now fails: no process is left, the trainer checkpoints on its way
+    out and `rlhpc.status` says how to go on."""
+    import pty
+    import select
+
+    run_dir = tmp_path / "run"
+    pid, terminal = pty.fork()  # the child leads a session whose controlling terminal is `terminal`
+    if pid == 0:
+        os.execv(sys.executable, [sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}",
+                                  "trainer.steps=10000"])
+    ended = (0, 0)
+    try:
+        ledger, output = run_dir / "queue" / "ledger.jsonl", b""
+        deadline = time.time() + 180
+        while time.time() < deadline and (not ledger.exists() or len(ledger.read_text().splitlines()) < 2):
+            if select.select([terminal], [], [], 0.1)[0]:
+                output += os.read(terminal, 1 << 16)  # a terminal that is read, as a user's is
+        assert ledger.exists(), output.decode(errors="replace")[-2000:]
+        os.close(terminal)  # the window closed: the kernel hangs up the terminal
+        deadline = time.time() + 150
+        while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.time() < deadline:
+            time.sleep(0.2)
+        assert ended[0] == pid, "the launcher did not end after its terminal was closed"
+        assert os.waitstatus_to_exitcode(ended[1]) == 128 + signal.SIGHUP
+        assert rlhpc_processes(run_dir) == []
+        assert json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"] >= 2
+    finally:  # what a failure left running
+        for leftover in rlhpc_processes(run_dir) + ([pid] if ended[0] == 0 else []):
+            os.kill(leftover, signal.SIGKILL)
+        if ended[0] == 0:
+            os.waitpid(pid, 0)
+    status = subprocess.run([sys.executable, "-m", "rlhpc.status", str(run_dir), "--no-slurm"], capture_output=True,
+                            text=True, timeout=60)
+    assert f"stopped with a checkpoint: launch again with run_dir={run_dir} to go on" in status.stdout, status.stdout
+
+
+def test_under_nohup_a_closed_terminal_does_not_stop_the_launcher():
+    """`nohup` starts a process ignoring SIGHUP so that it outlives the terminal: the launcher keeps it ignored."""
+    from rlhpc.procs import on_stop_signals
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        replaced = on_stop_signals(lambda signum, frame: None)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert set(replaced) == {signal.SIGINT, signal.SIGTERM}
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        assert signal.SIGHUP in on_stop_signals(lambda signum, frame: None)  # not ignored: handled
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+@pytest.mark.slow
 def test_a_finished_run_directory_is_not_overwritten_unless_asked(tmp_path):
     run_dir = tmp_path / "run"
     first = launch(run_dir, "trainer.steps=2")

@@ -8,7 +8,7 @@ up), join the weights group at whatever attempt the run is in, and feed the same
 its throughput. They leave when the run is done (status/DONE) or when their launcher or job ends. A failing attached
 worker is its own affair: logged in logs/inference-<rank>.log and reported by the attach command, never status/FAILED.
 
-- `launcher=local`: K processes on this machine, restarted per inference.max_restarts, ended on Ctrl-C/SIGTERM;
+- `launcher=local`: K processes on this machine, restarted per inference.max_restarts, ended on Ctrl-C, SIGTERM or SIGHUP;
   the command exits 0 once the run is done and every worker has left.
 - `launcher=slurm`: one ordinary (single-component) Slurm job holding only the K workers, for example to fill
   backfill gaps; submitted through submitit, recorded in rendezvous/attach/<attach id>/job.json, never in the run's
@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 from rlhpc import config as config_mod
 from rlhpc import preflight
 from rlhpc.config import Config, ConfigError
-from rlhpc.procs import tail
+from rlhpc.procs import exit_code, on_stop_signals, tail
 from rlhpc.rundir import RunDir, read_json, write_json
 
 # The command-line keys an attach may set (by their first part); the run's config.yaml decides every other.
@@ -173,7 +173,7 @@ class LocalAttach:
         def on_signal(signum, frame):  # noqa: ARG001
             stop["signal"] = signum
 
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = on_stop_signals(on_signal)
         t0 = time.time()
         try:
             for r in ranks:
@@ -197,7 +197,7 @@ class LocalAttach:
             if stop["signal"] is not None:
                 print(f"stopping: received {signal.Signals(stop['signal']).name}; ending the attached workers "
                       f"(the run goes on)", file=sys.stderr)
-                return 130 if stop["signal"] == signal.SIGINT else 143
+                return exit_code(stop["signal"])
             if run.failed.exists():
                 print(f"the run failed ({run.failure()}); ending the attached workers", file=sys.stderr)
                 return 1

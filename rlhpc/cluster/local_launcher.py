@@ -2,8 +2,8 @@
 
 It watches its children: a role that fails ends the others and the launcher exits non-zero with the tail of that
 role's log, except an inference worker with restarts left (`inference.max_restarts`), which is started again and
-rejoins at the newest weights snapshot while training goes on; Ctrl-C or SIGTERM ends every process it started; a
-progress bar follows the trainer's heartbeat.
+rejoins at the newest weights snapshot while training goes on; Ctrl-C, SIGTERM or a closed terminal (SIGHUP) ends
+every process it started, the trainer checkpointing on its way out; a progress bar follows the trainer's heartbeat.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import IO, Callable, List, Optional
 
 from rlhpc.config import Config
 from rlhpc.infer.engines.disagg import describe as disagg_describe
-from rlhpc.procs import LOG_START, free_port, tail
+from rlhpc.procs import LOG_START, exit_code, free_port, on_stop_signals, tail
 from rlhpc.rundir import RunDir, out_of_space_advice, read_json, space_problem, write_json
 
 
@@ -113,7 +113,7 @@ class LocalLauncher:
                 stop["again"] = True
             stop["signal"] = stop["signal"] or signum
 
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = on_stop_signals(on_signal)
         try:
             port = free_port()
             master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -153,7 +153,7 @@ class LocalLauncher:
             while True:
                 if stop["signal"] is not None:
                     print(f"\nstopping: received {signal.Signals(stop['signal']).name}; ending all roles", file=sys.stderr)
-                    return 130 if stop["signal"] == signal.SIGINT else 143
+                    return exit_code(stop["signal"])
                 failed = [p for p in self.procs if p.popen.poll() not in (None, 0) and not self.restart(run, p)]
                 if failed:
                     p = self.cause(run, failed[0])
