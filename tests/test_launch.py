@@ -226,6 +226,9 @@ def test_a_finished_run_directory_is_not_overwritten_unless_asked(tmp_path):
     first = launch(run_dir, "trainer.steps=2")
     assert first.returncode == 0, first.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
+    # The progress bar and status end on the final held-out reward, not the one before the last step.
+    beat = json.loads((run_dir / "status" / "trainer-0.json").read_text())
+    assert (beat["step"], beat["heldout"], beat["heldout_version"]) == (2, summary["heldout_reward_rl"], 2)
     again = launch(run_dir, "trainer.steps=2")
     assert again.returncode == 2
     assert "already holds a finished run" in again.stderr and "overwrite=true" in again.stderr

@@ -164,6 +164,8 @@ class LocalLauncher:
                         print(f"\nrun_dir is out of space: {full}; {out_of_space_advice(run.root)}", file=sys.stderr)
                     return 1
                 if all(p.popen.poll() == 0 for p in trainers):
+                    if bar:
+                        bar.update(run)  # the trainer's last heartbeat: the final held-out reward
                     # Workers see status/DONE and exit on their own; give them a moment, then end them.
                     deadline = time.time() + 30
                     while time.time() < deadline and any(p.popen.poll() is None for p in self.procs):

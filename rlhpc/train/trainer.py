@@ -74,6 +74,8 @@ class Trainer:
         self.borrower = cores.Borrower(run, "inference", cfg.trainer.threads, borrowers=self.world) if lend else None
         self.metrics: Optional[Metrics] = Metrics(run, "trainer", self.rank) if self.is_main else None
         self.summary: Dict = {}
+        # Rank 0's last heartbeat after a step (report), which the end repeats with the final held-out reward.
+        self.beat: Dict[str, Any] = {"step": 0, "steps": cfg.trainer.steps}
         self.publisher = Publisher(cfg, ident, run)
         # Set up in train(): the model (FSDP2-sharded when world > 1), its optimizer and LR schedule, the frozen
         # reference policy (algo.ref_kl_coef > 0) and the tokenizer.
@@ -169,8 +171,9 @@ class Trainer:
         self.metrics.log(step + 1, stats)
         curve = read_curve(self.run)
         heldout = {"heldout": curve[-1][1], "heldout_version": curve[-1][0]} if curve else {}
-        self.run.heartbeat("trainer", self.rank, step=step + 1, steps=self.cfg.trainer.steps,
-                           reward=stats["rollout/reward"], loss=stats["loss/total"], **heldout)
+        self.beat = dict(step=step + 1, steps=self.cfg.trainer.steps, reward=stats["rollout/reward"],
+                         loss=stats["loss/total"], **heldout)
+        self.run.heartbeat("trainer", self.rank, **self.beat)
 
     def end_step(self, next_step: int) -> None:
         """A checkpoint every `trainer.checkpoint_interval` steps (the last step exports instead); without
@@ -191,6 +194,9 @@ class Trainer:
             self.export(self.run.checkpoints / "final")
         if self.is_main:
             curve = self.final_curve(steps)
+            # The last step's heartbeat with the final held-out reward: what the progress bar and status end on.
+            self.run.heartbeat("trainer", self.rank, **{**self.beat, "step": steps, "heldout": curve[-1][1],
+                                                        "heldout_version": curve[-1][0]})
             if "heldout_reward_sft" not in self.summary:  # sft.steps=0: the warm start evaluated nothing
                 self.summary.update(heldout_reward_base=curve[0][1], heldout_reward_sft=curve[0][1])
             self.summary.update(
