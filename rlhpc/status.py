@@ -242,7 +242,9 @@ def render(info: Dict[str, Any]) -> str:
         lines.append("trainer: no step yet")
     queue = "?" if info["queue_pending_files"] is None else info["queue_pending_files"]
     stale = t.get("staleness_mean")
-    lines.append(f"queue:   {queue} pending file(s); staleness {'-' if stale is None else _fmt(stale)} steps")
+    # A finished run's pending files were generated while the last steps trained: nothing is waiting for them.
+    left = " (generated past the last step: never trained)" if info["state"] == "finished" and queue else ""
+    lines.append(f"queue:   {queue} pending file(s){left}; staleness {'-' if stale is None else _fmt(stale)} steps")
     if info["heartbeats"]:
         lines.append("heartbeats (last seen):")
         for name, hb in info["heartbeats"].items():

@@ -229,6 +229,12 @@ def test_a_finished_run_directory_is_not_overwritten_unless_asked(tmp_path):
     # The progress bar and status end on the final held-out reward, not the one before the last step.
     beat = json.loads((run_dir / "status" / "trainer-0.json").read_text())
     assert (beat["step"], beat["heldout"], beat["heldout_version"]) == (2, summary["heldout_reward_rl"], 2)
+    status = subprocess.run([sys.executable, "-m", "rlhpc.status", str(run_dir), "--no-slurm"], capture_output=True,
+                            text=True, timeout=60).stdout
+    assert f"held-out {summary['heldout_reward_rl']:.3f} (step 2)" in status, status
+    pending = len(list((run_dir / "queue" / "pending").glob("*.safetensors")))
+    assert (f"queue:   {pending} pending file(s) (generated past the last step: never trained)" if pending else
+            "queue:   0 pending file(s);") in status, status
     again = launch(run_dir, "trainer.steps=2")
     assert again.returncode == 2
     assert "already holds a finished run" in again.stderr and "overwrite=true" in again.stderr
