@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,27 @@ def _last(rows: List[Dict[str, Any]], key: str) -> Optional[Dict[str, Any]]:
     for row in reversed(rows):
         if key in row:
             return row
+    return None
+
+
+def _script_run_dir(run: RunDir) -> Optional[str]:
+    """The run_dir that run_dir/job.sbatch names when it is not this folder (the folder was moved or copied since the
+    script was written), else None."""
+    try:
+        script = (run.root / "job.sbatch").read_text(errors="replace")
+    except OSError:
+        return None
+    for line in script.splitlines():
+        if line.startswith("export RLHPC_RUN_DIR="):
+            try:
+                named = shlex.split(line[len("export RLHPC_RUN_DIR="):])[0]
+            except (ValueError, IndexError):
+                return None  # not a line rlhpc wrote
+            try:
+                same = os.path.samefile(named, run.root)
+            except OSError:
+                same = False  # gone, or never here
+            return None if same else named
     return None
 
 
@@ -168,6 +190,11 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
     if summary:
         out["summary"] = {k: summary.get(k) for k in ("heldout_reward_base", "heldout_reward_sft", "heldout_reward_rl",
                                                      "rl_steps", "wall_time_s") if k in summary}
+    elsewhere = _script_run_dir(run)
+    if elsewhere is not None and out["state"] != "finished":
+        # Submitted as is, its job would write (and fail to write its log) in the folder it names.
+        out["job_script"] = (f"job.sbatch names run_dir={elsewhere}, not this folder (moved?): do not submit it; "
+                             f"launch again with run_dir={run.root} (launcher.submit=false writes it anew, only)")
     out["unreadable"] = {_in_run(run, p): why for p, why in sorted(bad.items())}
     out["disk_free_bytes"] = free_bytes(run.root)
     if out["state"] != "finished":  # a full disk may have kept the failing role from writing status/FAILED
@@ -269,6 +296,8 @@ def render(info: Dict[str, Any]) -> str:
                   f"--- last lines of {f['log']} ---", f["log_tail"]]
     if "batch_log" in info and "failure" not in info:
         lines += [f"--- last lines of {info['batch_log']['log']} ---", info["batch_log"]["log_tail"]]
+    if info.get("job_script"):
+        lines.append(f"script:  {info['job_script']}")
     for path, why in info.get("unreadable", {}).items():
         lines.append(f"unreadable: {path} ({why})")
     if info.get("disk_problem"):

@@ -185,3 +185,29 @@ def test_json_output_lists_the_unreadable_files(tmp_path):
     assert list(info["unreadable"]) == ["summary.json"]
     assert info["unreadable"]["summary.json"].startswith("JSONDecodeError: ")
     assert info["trainer"]["step"] == 3
+
+
+def test_a_moved_run_says_its_job_script_names_the_old_folder(tmp_path):
+    """job.sbatch names its run_dir: a folder moved since would be written by a job submitted from it by hand (and
+    Slurm could not open its log there). Status says so, and how to write the script anew."""
+    from hydra import compose, initialize_config_dir
+
+    from rlhpc import config as config_mod
+    from rlhpc.cluster.hetjob import make_plan, render_script
+
+    run = a_run(tmp_path)
+    config_mod.register()
+
+    def script_for(run_dir: Path) -> str:
+        with initialize_config_dir(config_dir=str(config_mod.CONF_DIR), version_base=None):
+            cfg = config_mod.to_typed(compose(config_name="config", overrides=[
+                "+exp=reverse_text", "cluster=local", "launcher=sbatch", f"run_dir={run_dir}"]))
+        return render_script(make_plan(cfg), cfg.exp_name)
+
+    (run.root / "job.sbatch").write_text(script_for(run.root))
+    assert "script:" not in status(run.root, "--no-slurm").stdout
+    old = tmp_path / "old place"
+    (run.root / "job.sbatch").write_text(script_for(old))
+    out = status(run.root, "--no-slurm").stdout
+    assert (f"script:  job.sbatch names run_dir={old}, not this folder (moved?): do not submit it; launch again with "
+            f"run_dir={run.root}") in out, out
