@@ -398,7 +398,8 @@ class ClusterConfig:
     requeue: bool = True
     # Memory of one GPU in GB as sold (H100: 80, H200: 141; the estimate reads it as GiB, which nvidia-smi shows as
     # 79.6 and 140.4). The launcher checks its estimate of each role's memory per GPU against it and refuses a plan
-    # that does not fit (rlhpc/cluster/memory.py, docs/scaling.md); 0: no check (no GPUs).
+    # that does not fit (rlhpc/cluster/memory.py, docs/scaling.md); 0: no check (a plan on CPU processes, or on GPUs of
+    # unstated memory).
     gpu_memory_gb: float = 0.0
 
 

@@ -9,12 +9,20 @@ plus one greedy episode each (`eval.greedy`), through the HTTP token endpoint of
 (rlhpc.infer.server): a server started here over `model.path` (`inference.engine`: hf or vllm), or one already
 running (`eval.run`: a run directory that serves; `eval.endpoint` + `eval.token`). Episodes are rlhpc's own
 (rlhpc.env.episode), so multi-turn and tool-using environments run exactly as in training. A sample passes when its
-reward is at least `eval.pass_threshold`. Prints a JSON report (pass@1, pass@k, mean reward, greedy reward, per task)
-and then writes it to `eval.report` when set.
+reward is at least `eval.pass_threshold`.
 
-Values that cannot work (eval.k, eval.temperature, eval.concurrency, an eval.report that cannot be written, a
-model.path without a tokenizer) are refused in one line naming the key before anything loads (exit 2); a server that
-stops answering mid-evaluation ends it in one line naming the server's key (exit 1).
+It prints one line of headline figures (tasks, k, pass@1, pass@k, mean reward, greedy reward) and where the JSON report
+(those figures, and per task its rewards) was written: `eval.report`, or by default `eval-<env>-<time>.json` in the
+current folder (the one place this command can count on writing and the user on finding: model.path may be read-only,
+a run directory another's); a default name that exists already (two evaluations in one second) takes `-2`, `-3`, ...
+rather than replace it. `eval.report=-` prints the JSON report on stdout instead, and the summary line on stderr, for
+scripts.
+
+Values that cannot work (eval.k, eval.temperature, eval.concurrency, an eval.report that cannot be written, or a
+current folder that cannot be written without one, a model.path without a tokenizer) are refused in one line naming
+the key before anything loads (exit 2); a server that stops answering mid-evaluation ends it in one line naming the
+server's key (exit 1). A report that cannot be written after all (a full disk) is printed on stdout instead, before
+the one line that says so (exit 1).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import secrets
 import sys
 import tempfile
@@ -53,7 +62,7 @@ class EvalCommandKeys(EvalConfig):
     # A run directory whose worker serves (a training run with inference.serve=true, or rlhpc.serve's run_dir).
     run: str = ""
     worker: int = 0
-    # Where the JSON report goes ("": printed only).
+    # Where the JSON report goes ("": eval-<env>-<time>.json in the current folder; "-": stdout).
     report: str = ""
     # Requests in flight at once (the server batches them).
     concurrency: int = 64
@@ -77,17 +86,23 @@ def check_keys(cfg: EvalCommandConfig) -> None:
     need(e.concurrency >= 1, "eval.concurrency", f"must be >= 1 (requests in flight at once), got {e.concurrency}")
     need(not (e.run and e.endpoint), "eval.endpoint",
          f"set eval.run or eval.endpoint, not both (eval.run={e.run} names its own served endpoint)")
-    if e.report:
-        check_report(Path(e.report))
+    if e.report != "-":
+        check_report(e.report)
 
 
-def check_report(path: Path) -> None:
-    """`eval.report` can be written once the evaluation is done: it is not a folder, and the nearest of its folders
-    that exists takes a new file (the missing ones are created with the report)."""
+def check_report(report: str) -> None:
+    """Where the report goes can be written once the evaluation is done: `eval.report` is not a folder, and the nearest
+    of its folders that exists takes a new file (the missing ones are created with the report); without eval.report,
+    the current folder takes one."""
     from rlhpc.preflight import one_line
 
-    need(not path.is_dir(), "eval.report", f"{path} is a folder: name a file in it (e.g. {path / 'eval.json'})")
-    folder = path.absolute().parent
+    if report:
+        path = Path(report)
+        need(not path.is_dir(), "eval.report", f"{path} is a folder: name a file in it (e.g. {path / 'eval.json'})")
+        folder, hint = path.absolute().parent, ""
+    else:
+        folder = Path.cwd()
+        hint = " (the report's default place): set eval.report=<file>, or eval.report=- to print it"
     try:
         while not folder.exists():
             folder = folder.parent
@@ -96,7 +111,47 @@ def check_report(path: Path) -> None:
             pass
     except OSError as err:
         problem = err.strerror or one_line(err)
-        raise ConfigError(f"config key `eval.report`: cannot write in {folder}: {problem}") from None
+        raise ConfigError(f"config key `eval.report`: cannot write in {folder}: {problem}{hint}") from None
+
+
+def default_report(env: str, started: float) -> Path:
+    """eval-<env>-<time the evaluation started>.json in the current folder (the environment's name made a file name:
+    verifiers:org/env is verifiers_org_env)."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", env)
+    return Path(f"eval-{name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(started))}.json")
+
+
+def write_new(path: Path, out: Dict[str, Any]) -> Path:
+    """Writes the report to `path`, or to <name>-2.json, -3, ... when that file exists: a default name never replaces
+    another evaluation's report. Returns the file written; a write that fails leaves none."""
+    n, where = 1, path
+    while True:
+        try:
+            f = open(where, "x")
+        except FileExistsError:
+            n += 1
+            where = path.with_name(f"{path.stem}-{n}{path.suffix}")
+            continue
+        try:
+            with f:
+                f.write(json.dumps(out, indent=1, sort_keys=True))
+        except BaseException:
+            where.unlink(missing_ok=True)
+            raise
+        return where
+
+
+def summary(out: Dict[str, Any]) -> str:
+    """The report's headline figures in one line."""
+    k = out["k"]
+    line = (f"{out['env']}: {out['tasks']} tasks x k={k} at temperature {out['temperature']:g}: "
+            f"pass@1 {out['pass@1']:.3f}" + (f"  pass@{k} {out[f'pass@{k}']:.3f}" if k > 1 else "")
+            + f"  mean reward {out['mean_reward']:.3f}")
+    if "greedy_reward" in out:
+        line += f"  greedy reward {out['greedy_reward']:.3f}"
+    if out["errors"]:  # the figures count them at env.error_reward: a broken environment must not pass for a bad model
+        line += f"  ({out['errors']} episode(s) failed in the environment: see per_task in the report)"
+    return line
 
 
 def served_tokenizer(path: str | None, key: str):
@@ -244,6 +299,7 @@ def main() -> None:
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _run(dcfg) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s eval %(levelname)s: %(message)s", force=True)
+        started = time.time()
         try:
             cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EvalCommandConfig), dcfg))
             config_mod.validate(cfg)
@@ -255,20 +311,26 @@ def main() -> None:
         except ServerFailed as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(1)
-        # Printed first: a report that cannot be written after all (a full disk) loses nothing.
-        print(json.dumps(out, indent=1), flush=True)
-        k = out["k"]
-        print(f"{out['env']}: pass@1 {out['pass@1']:.3f}" + (f"  pass@{k} {out[f'pass@{k}']:.3f}" if k > 1 else "")
-              + f"  mean reward {out['mean_reward']:.3f}"
-              + (f"  greedy {out['greedy_reward']:.3f}" if "greedy_reward" in out else ""), file=sys.stderr)
-        if cfg.eval.report:
-            try:
-                Path(cfg.eval.report).parent.mkdir(parents=True, exist_ok=True)
-                write_json(Path(cfg.eval.report), out)
-            except OSError as e:
-                print(f"error: config key `eval.report`: the report (printed above) was not written: "
-                      f"{preflight.one_line(e)}", file=sys.stderr)
-                sys.exit(1)
+        report = cfg.eval.report
+        if report == "-":  # stdout is the report's alone, for a script to parse
+            print(summary(out), file=sys.stderr)
+            print(json.dumps(out, indent=1), flush=True)
+            return
+        print(summary(out), flush=True)
+        try:
+            if report:
+                Path(report).parent.mkdir(parents=True, exist_ok=True)
+                write_json(Path(report), out)
+                written = Path(report)
+            else:
+                written = write_new(default_report(out["env"], started), out)
+        except OSError as e:
+            # The evaluation is not lost: the report goes to stdout instead.
+            print(json.dumps(out, indent=1), flush=True)
+            print(f"error: config key `eval.report`: the report (printed above) was not written: "
+                  f"{preflight.one_line(e)}", file=sys.stderr)
+            sys.exit(1)
+        print(f"report: {written}")
 
     _run()
 

@@ -43,7 +43,7 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = F
     else:
         from rlhpc.cluster.sbatch_launcher import SbatchLauncher as Launcher  # type: ignore[no-redef]
     launcher = Launcher(cfg)
-    fit = memory.plan(cfg)  # the device mesh and the memory per GPU; refused when it cannot fit or divide
+    fit = memory.plan(cfg)  # the device mesh, the memory per GPU (or CPU process); refused if it cannot fit or divide
     # Slurm's own verdict on the job (sbatch --test-only), where Slurm answers: a partition that does not exist, more
     # nodes than it has, ... (not asked for a job only written, or where no Slurm answers); and a cluster.python the
     # job's tasks could not run. None for the local launcher.

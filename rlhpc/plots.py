@@ -1,10 +1,11 @@
-"""Plots of a run (or several): `python -m rlhpc.plots RUN_DIR [RUN_DIR ...] --out curves.png`.
+"""Plots of a run (or several): `python -m rlhpc.plots RUN_DIR [RUN_DIR ...] [--out PNG]`.
 
 Left: the SFT loss per warm-start step. Right: held-out reward (greedy) against RL step, with the training rollouts'
 mean reward faded behind it. Reads logs/trainer-0.metrics.jsonl and summary.json (a run still going: run_dir/evals/,
 the held-out results, written by rlhpc/train/evaluation.py). A file it cannot read (a run still writing it, or a
 damaged one) is left out with a note on stderr; a path that is not a run directory, or labels that do not match the
-runs, is an error before anything is drawn.
+runs, is an error before anything is drawn. The plot goes to `--out`, by default `curves.png` in the first RUN_DIR
+(beside the run it shows, whichever folder the command runs in); the path written is printed.
 """
 
 from __future__ import annotations
@@ -113,14 +114,19 @@ def plot_runs(run_dirs: List[Path], out: Path, labels: Optional[List[str]] = Non
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("run_dirs", nargs="+", type=Path)
-    ap.add_argument("--out", type=Path, default=Path("curves.png"))
+    ap.add_argument("--out", type=Path, help="the PNG to write (default: curves.png in the first RUN_DIR)")
     ap.add_argument("--labels", nargs="*")
     ap.add_argument("--title", default="")
     args = ap.parse_args(argv)
+    out = args.out or args.run_dirs[0] / "curves.png"
     try:
-        print(plot_runs(args.run_dirs, args.out, args.labels, args.title))
+        print(plot_runs(args.run_dirs, out, args.labels, args.title))
     except PlotError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # another user's run directory, read-only here
+        why = f"{e.filename} is a file, not a folder" if isinstance(e, FileExistsError) else e.strerror or e
+        print(f"error: --out: cannot write {out}: {why}; name another file with --out", file=sys.stderr)
         return 2
     return 0
 

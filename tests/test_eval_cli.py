@@ -1,10 +1,12 @@
-"""`python -m rlhpc.eval` as a user sees it: values that cannot work are refused in one line before anything loads,
-pass@k takes any k, a server that dies mid-evaluation ends it in one line, and against a running server model.path
-needs only a tokenizer."""
+"""`python -m rlhpc.eval` as a user sees it: a one-line summary and where the JSON report went (the JSON itself on
+stdout with eval.report=-), values that cannot work refused in one line before anything loads, pass@k for any k, a
+server that dies mid-evaluation ending it in one line, and against a running server a model.path that needs only a
+tokenizer."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhpc.eval import default_report, summary, write_new
 from rlhpc.infer.server import MAX_N, endpoint
 
 TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1"]
@@ -23,9 +26,10 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=
 FAST = ["env=reverse_text", "env.max_new_tokens=8", "env.pool_processes=0", *TINY]
 
 
-def evaluate(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def evaluate(*overrides: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The command run in `cwd` (where a report without eval.report goes; a test that lets it be written names one)."""
     return subprocess.run([sys.executable, "-m", "rlhpc.eval", *FAST, *overrides], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, cwd=cwd)
 
 
 def one_line(proc: subprocess.CompletedProcess, code: int) -> str:
@@ -113,25 +117,74 @@ def test_a_report_in_a_folder_that_cannot_be_made_is_refused_before_anything_loa
 
 def test_more_samples_than_one_request_may_ask_are_all_drawn(served):
     """The server answers at most MAX_N completions per request; eval.k above it used to end in a traceback."""
-    proc = evaluate(f"eval.run={served}", f"eval.k={MAX_N + 2}", "eval.num_tasks=2", "eval.greedy=false")
+    proc = evaluate(f"eval.run={served}", f"eval.k={MAX_N + 2}", "eval.num_tasks=2", "eval.greedy=false",
+                    "eval.report=-")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["k"] == MAX_N + 2 and [len(t["rewards"]) for t in report["per_task"]] == [MAX_N + 2] * 2
     assert f"pass@{MAX_N + 2}" in report
 
 
-def test_with_k_1_the_summary_names_pass_at_1_once(served):
-    proc = evaluate(f"eval.run={served}", "eval.k=1", "eval.num_tasks=2")
+def test_the_terminal_shows_the_headline_figures_and_where_the_report_was_written(served, tmp_path):
+    """It used to print the whole report, about a thousand lines for the default 64 tasks."""
+    proc = evaluate(f"eval.run={served}", "eval.k=2", "eval.num_tasks=2", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = proc.stderr.strip().splitlines()[-1]
-    assert summary.startswith("reverse_text: pass@1 ") and summary.count("pass@") == 1, summary
+    figures, where = proc.stdout.splitlines()
+    name = where.removeprefix("report: ")
+    assert re.fullmatch(r"eval-reverse_text-\d{8}-\d{6}\.json", name), where
+    assert [p.name for p in tmp_path.iterdir()] == [name]  # in the folder it ran in, and nothing else there
+    report = json.loads((tmp_path / name).read_text())
+    assert report["tasks"] == 2 and len(report["per_task"]) == 2
+    assert figures == (f"reverse_text: 2 tasks x k=2 at temperature 1: pass@1 {report['pass@1']:.3f}  "
+                       f"pass@2 {report['pass@2']:.3f}  mean reward {report['mean_reward']:.3f}  "
+                       f"greedy reward {report['greedy_reward']:.3f}")
 
 
-def test_the_report_is_printed_and_written_to_new_folders(served, tmp_path):
+def test_with_report_dash_stdout_is_the_json_report_alone_and_nothing_is_written(served, tmp_path):
+    proc = evaluate(f"eval.run={served}", "eval.k=1", "eval.num_tasks=2", "eval.report=-", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["tasks"] == 2
+    assert list(tmp_path.iterdir()) == []
+    summary = proc.stderr.strip().splitlines()[-1]  # with k=1, pass@1 is named once
+    assert summary.startswith("reverse_text: 2 tasks x k=1 at temperature 1: pass@1 ") and summary.count("pass@") == 1
+
+
+def test_the_report_named_is_written_to_new_folders(served, tmp_path):
     report = tmp_path / "new" / "folder" / "eval.json"
     proc = evaluate(f"eval.run={served}", "eval.k=2", "eval.num_tasks=2", f"eval.report={report}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(report.read_text()) == json.loads(proc.stdout)
+    assert proc.stdout.splitlines()[-1] == f"report: {report}"
+    assert json.loads(report.read_text())["tasks"] == 2
+
+
+def test_a_default_report_name_taken_already_is_not_replaced(tmp_path):
+    """Two evaluations of one environment started in the same second."""
+    first = tmp_path / default_report("reverse_text", 0).name
+    first.write_text("the first evaluation's")
+    assert write_new(first, {"tasks": 2}) == tmp_path / f"{first.stem}-2.json"
+    assert write_new(first, {"tasks": 3}) == tmp_path / f"{first.stem}-3.json"
+    assert first.read_text() == "the first evaluation's"
+    assert json.loads((tmp_path / f"{first.stem}-3.json").read_text()) == {"tasks": 3}
+
+
+def test_a_default_report_name_is_a_plain_file_name_for_any_environment():
+    assert re.fullmatch(r"eval-verifiers_org_my-env-\d{8}-\d{6}\.json",
+                        str(default_report("verifiers:org/my-env", time.time())))
+
+
+def test_episodes_that_failed_in_the_environment_are_named_on_the_summary_line():
+    """Counted at env.error_reward in the figures, they would pass for a weak model."""
+    out = {"env": "math", "tasks": 4, "k": 1, "temperature": 0.7, "pass@1": 0.5, "mean_reward": 0.5, "errors": 3}
+    assert summary(out) == ("math: 4 tasks x k=1 at temperature 0.7: pass@1 0.500  mean reward 0.500  (3 episode(s) "
+                            "failed in the environment: see per_task in the report)")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")
+def test_a_current_folder_that_cannot_be_written_is_refused_before_anything_loads_naming_the_way_out():
+    proc = evaluate("eval.num_tasks=1", timeout=120, cwd=Path("/proc"))
+    line = one_line(proc, 2)
+    assert line.startswith("error: config key `eval.report`: cannot write in /proc: "), line
+    assert line.endswith(" (the report's default place): set eval.report=<file>, or eval.report=- to print it"), line
 
 
 def test_against_a_server_model_path_needs_only_the_tokenizer(served, tmp_path):
@@ -143,7 +196,7 @@ def test_against_a_server_model_path_needs_only_the_tokenizer(served, tmp_path):
             shutil.copy(f, folder / f.name)
     ep = endpoint(served)
     proc = evaluate(f"eval.endpoint={ep.url}", f"eval.token={ep.token}", f"model.path={folder}", "eval.k=2",
-                    "eval.num_tasks=2")
+                    "eval.num_tasks=2", "eval.report=-")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout)["tasks"] == 2
 

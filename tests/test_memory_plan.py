@@ -334,11 +334,54 @@ def test_a_plan_whose_heads_do_not_divide_by_tp_is_refused_naming_the_key(tmp_pa
     assert not (tmp_path / "run").exists()
 
 
-def test_without_gpu_memory_the_plan_shows_the_estimate_and_checks_nothing(tmp_path, capsys):
+def dry_run_plan(capsys, tmp_path, *overrides: str) -> str:
     from rlhpc.launch import launch
 
-    assert launch(composed("launcher=slurm", "cluster=local", "dry_run=true", f"run_dir={tmp_path}/run")) == 0
-    out = capsys.readouterr().out
-    assert "trainer mesh: dp_shard=1 x ep=1 x cp=1 = 1 rank(s), one GPU each (one process, no FSDP;" in out
-    assert "from the tiny_qwen3 model built in code; not checked: no cluster.gpu_memory_gb" in out
+    assert launch(composed(*overrides, "dry_run=true", f"run_dir={tmp_path}/run")) == 0
+    return capsys.readouterr().out
+
+
+def test_a_slurm_job_without_gpus_is_planned_as_cpu_processes_in_float32_and_checks_nothing(tmp_path, capsys):
+    out = dry_run_plan(capsys, tmp_path, "launcher=slurm", "cluster=local")
+    assert "trainer mesh: dp_shard=1 x ep=1 x cp=1 = 1 rank(s), one CPU process each (one process, no FSDP;" in out
+    assert ("memory per CPU process, estimated (0.82M parameters from the tiny_qwen3 model built in code; host memory, "
+            "not checked):") in out
+    assert "trainer rank (master float32, compute float32 (trainer.param_dtype=auto on the CPU)):" in out
     assert "activations (no checkpointing)" in out and "logprob head" in out
+
+
+@pytest.mark.parametrize("gpus", ["", "0"])
+def test_a_local_run_is_planned_on_the_devices_of_this_machine_and_in_their_dtype(gpus, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """The quick start on a CPU box used to be planned in memory per GPU and bfloat16, which it uses neither of."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpus)  # what the local launcher hands its roles (local_gpus)
+    out = dry_run_plan(capsys, tmp_path, "+exp=reverse_text")
+    activations = next(line for line in out.splitlines() if "activations (no checkpointing)" in line)
+    if gpus:
+        assert "one GPU each" in out and "2 worker(s) x 1 hf engine on one GPU (tp=1)" in out
+        assert "memory per GPU, estimated" in out and "not checked: no cluster.gpu_memory_gb" in out
+        assert "compute bfloat16 (trainer.param_dtype=auto on a GPU)" in out and activations.endswith(" x 2 B")
+    else:
+        assert "GPU" not in out and "bfloat16" not in out
+        assert "one CPU process each" in out and "2 worker(s) x 1 hf engine on the CPU (tp=1)" in out
+        assert "memory per CPU process, estimated" in out and "host memory, not checked" in out
+        assert "compute float32 (trainer.param_dtype=auto on the CPU)" in out and activations.endswith(" x 4 B")
+
+
+def test_a_gpu_preset_is_planned_on_gpus_from_a_machine_without_them(tmp_path, capsys, monkeypatch):
+    """cluster.gpu_memory_gb names the GPUs the plan is for, whichever launcher and machine print it."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("RLHPC_MODEL_PATH", str(tmp_path / "glm5-checkpoint"))
+    out = dry_run_plan(capsys, tmp_path, "+exp=glm5")
+    assert "256 rank(s), one GPU each" in out and "(tp=16 over 2 nodes, 8 GPUs a node)" in out
+    assert "memory per GPU, estimated" in out and "against cluster.gpu_memory_gb=80" in out
+    assert "compute bfloat16 (trainer.param_dtype=auto on a GPU)" in out
+    assert "CPU" not in out
+
+
+def test_a_slurm_job_with_gpus_for_the_trainer_only_plans_each_role_on_its_own_devices(tmp_path, capsys):
+    out = dry_run_plan(capsys, tmp_path, "launcher=slurm", "cluster=local", "cluster.trainer.gpus_per_node=1")
+    assert "1 rank(s), one GPU each" in out and "1 hf engine on the CPU (tp=1)" in out
+    assert "memory per trainer GPU and inference CPU process, estimated" in out
+    assert "not checked: no cluster.gpu_memory_gb" in out
+    assert "compute bfloat16 (trainer.param_dtype=auto on a GPU)" in out

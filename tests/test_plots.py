@@ -3,7 +3,6 @@ note (not a crash) for a file a run is still writing."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from rlhpc.plots import main
@@ -23,6 +22,31 @@ def test_a_run_is_plotted_to_the_file_named(tmp_path, capsys):
     assert code == 0, err
     assert out.strip() == str(png) and png.stat().st_size > 0
     assert err == ""
+
+
+def test_without_out_the_plot_goes_into_the_first_run_directory_and_its_path_is_printed(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """It used to be ./curves.png, wherever the command ran (and over the last plot made there)."""
+    one, two = a_run(tmp_path / "1"), a_run(tmp_path / "2")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code, out, err = plot(capsys, str(one.root), str(two.root))
+    assert code == 0, err
+    assert out.strip() == str(one.root / "curves.png") and (one.root / "curves.png").stat().st_size > 0
+    assert list(elsewhere.iterdir()) == [] and not (two.root / "curves.png").exists()
+
+
+def test_an_out_that_cannot_be_written_is_one_line_naming_out(tmp_path, capsys):
+    """A folder that cannot hold the plot (here a file where a folder should be: refused to root too, unlike a
+    read-only folder) is one line naming --out, not a traceback."""
+    run = a_run(tmp_path)
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    code, out, err = plot(capsys, str(run.root), "--out", str(blocker / "curves.png"))
+    assert code == 2 and out == ""
+    assert err == (f"error: --out: cannot write {blocker / 'curves.png'}: {blocker} is a file, not a folder; name "
+                   "another file with --out\n")
 
 
 def test_a_path_that_does_not_exist_is_an_error_and_nothing_is_drawn(tmp_path, capsys):

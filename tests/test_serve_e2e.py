@@ -113,7 +113,7 @@ def test_rlhpc_serve_serves_a_checkpoint_and_rlhpc_eval_scores_it_through_the_en
     scratch = tmp_path / "tmp"  # the in-process server's files go to the temporary folder, and are removed after
     scratch.mkdir()
     local = subprocess.run([sys.executable, "-m", "rlhpc.eval", *common, f"model.path={serve_dir / 'base_model'}",
-                            "model.name=tiny_qwen3"], capture_output=True, text=True, timeout=300,
+                            "model.name=tiny_qwen3", "eval.report=-"], capture_output=True, text=True, timeout=300,
                            env=dict(os.environ, TMPDIR=str(scratch)))
     assert local.returncode == 0, local.stderr[-3000:]
     assert [p.name for p in scratch.iterdir() if p.name.startswith("rlhpc")] == []  # (torch keeps its own caches there)

@@ -2,7 +2,9 @@
 
 The launcher prints this with the plan (`dry_run=true`) and refuses a run that cannot fit or whose sizes do not divide
 (`MemoryPlan.refusal`), naming the keys to change. Everything here is arithmetic over the model's Hugging Face config;
-no model is built and no GPU is needed. The formulas (docs/scaling.md, "Memory per GPU, estimated"):
+no model is built and no GPU is needed. A role without GPUs (`on_gpus`) is planned as what it will be: CPU processes,
+whose memory is the host's (not checked), computing in the master dtype where `trainer.param_dtype=auto` (bfloat16 on
+a GPU). The formulas (docs/scaling.md, "Memory per GPU, estimated"):
 
 trainer rank (one GPU each; FSDP2 over all `trainer.num_ranks` = dp_shard x ep x cp; with `trainer.ep` > 1 the
 routed experts R of the largest block leave its FSDP unit and a rank gathers R / ep of them, in the compute dtype with
@@ -273,7 +275,7 @@ def model_state_bytes(params: int, master_bytes: int, ranks: int) -> Dict[str, i
 
 
 def kv_bytes_per_token(hf, tp: int, kv_dtype_bytes: int) -> Tuple[int, str]:
-    """(bytes of KV cache per token on one GPU of a tp instance, the formula in words)."""
+    """(bytes of KV cache per token on one tp rank of an instance (a GPU, or a CPU process), the formula in words)."""
     L = hf.num_hidden_layers
     if is_mla(hf):
         width = hf.kv_lora_rank + hf.qk_rope_head_dim
@@ -285,7 +287,7 @@ def kv_bytes_per_token(hf, tp: int, kv_dtype_bytes: int) -> Tuple[int, str]:
     kv, d = hf.num_key_value_heads, head_dim(hf)
     per_gpu = max(kv // tp, 1)
     return (2 * per_gpu * d * L * kv_dtype_bytes,
-            f"2 x {per_gpu} kv head(s)/GPU x head_dim {d} x {L} layers x {kv_dtype_bytes} B")
+            f"2 x {per_gpu} kv head(s) per tp rank x head_dim {d} x {L} layers x {kv_dtype_bytes} B")
 
 
 # ---- the plan --------------------------------------------------------------------------------------------------------
@@ -324,26 +326,49 @@ def _row(name: str, n: float, formula: str) -> str:
     return f"    {name:<30}{_gib(n):>14}   {formula}".rstrip()
 
 
+def on_gpus(cfg, role: str) -> bool:
+    """Whether the processes of `role` ("trainer" or "inference") compute on GPUs, as the launcher will place them: a
+    local run's when this machine has GPUs (`local_gpus` hands them out), a Slurm job's when its component asks for
+    them (cluster.<role>.gpus_per_node); and wherever cluster.gpu_memory_gb gives the GPUs' memory (a plan for a GPU
+    cluster made on a machine without one)."""
+    if float(getattr(cfg.cluster, "gpu_memory_gb", 0) or 0):
+        return True
+    if cfg.launcher.name == "local":
+        from rlhpc.cluster.local_launcher import local_gpus
+
+        return bool(local_gpus(cfg, role, 0))
+    return getattr(cfg.cluster, role).gpus_per_node > 0
+
+
+def _unit(gpu: bool) -> str:
+    """What one share of a role's memory is: a GPU's, or a CPU process's (the host's memory)."""
+    return "GPU" if gpu else "CPU process"
+
+
 def plan(cfg) -> MemoryPlan:
-    """The device mesh of each role and the memory one of its GPUs needs, against `cluster.gpu_memory_gb` (0 or unset:
-    no memory check); refuses sizes that do not divide."""
+    """The device mesh of each role and the memory one of its GPUs (or, without GPUs, one of its processes) needs,
+    against `cluster.gpu_memory_gb` (0 or unset: no memory check); refuses sizes that do not divide."""
     out = MemoryPlan()
-    instances = _meshes(cfg, out)
+    gpus = {role: on_gpus(cfg, role) for role in ("trainer", "inference")}
+    per = (_unit(gpus["trainer"]) if gpus["trainer"] == gpus["inference"]
+           else f"trainer {_unit(gpus['trainer'])} and inference {_unit(gpus['inference'])}")
+    instances = _meshes(cfg, gpus, out)
     try:
         hf, source = model_shape(cfg)
         counts = count_parameters(hf) if hf is not None else None
     except Exception as e:  # noqa: BLE001 - a shape this module does not know must not stop a launch
         hf, source = None, f"{type(e).__name__}: {e}"
     if hf is None or counts is None:
-        out.lines.append(f"  memory per GPU: not estimated ({source})")
+        out.lines.append(f"  memory per {per}: not estimated ({source})")
         return out
     _experts_divide(cfg, hf, out)
     _context_divides(cfg, hf, out)
     gpu_gb = float(getattr(cfg.cluster, "gpu_memory_gb", 0) or 0)
-    check = f"against cluster.gpu_memory_gb={gpu_gb:g}" if gpu_gb else "not checked: no cluster.gpu_memory_gb"
-    out.lines.append(f"  memory per GPU, estimated ({_params(counts.total)} parameters from {source}; {check}):")
-    _trainer(cfg, hf, counts, gpu_gb, out)
-    _inference(cfg, hf, counts, gpu_gb, instances, out)
+    check = (f"against cluster.gpu_memory_gb={gpu_gb:g}" if gpu_gb else
+             "not checked: no cluster.gpu_memory_gb" if any(gpus.values()) else "host memory, not checked")
+    out.lines.append(f"  memory per {per}, estimated ({_params(counts.total)} parameters from {source}; {check}):")
+    _trainer(cfg, hf, counts, gpu_gb, gpus["trainer"], out)
+    _inference(cfg, hf, counts, gpu_gb, instances, gpus["inference"], out)
     _disk(cfg, counts, out)
     return out
 
@@ -396,8 +421,9 @@ def _disk(cfg, counts: ParamCount, out: MemoryPlan) -> None:
                          "disk stops it (it resumes from its last checkpoint once there is room)")
 
 
-def _meshes(cfg, out: MemoryPlan) -> List[Tuple[str, int, str]]:
-    """The trainer's mesh (dp_shard x ep x cp = num_ranks) and the inference instances (name, tp, its config key)."""
+def _meshes(cfg, gpus: Dict[str, bool], out: MemoryPlan) -> List[Tuple[str, int, str]]:
+    """The trainer's mesh (dp_shard x ep x cp = num_ranks) and the inference instances (name, tp, its config key), on
+    GPUs or CPU processes (`gpus`: on_gpus of each role)."""
     ranks, inf, ep, cp = cfg.trainer.num_ranks, cfg.inference, cfg.trainer.ep, cfg.trainer.cp
     mesh = {"dp_shard": ranks // max(ep * cp, 1), "ep": ep, "cp": cp}
     how = "FSDP2 over all ranks" if ranks > 1 or cfg.trainer.fsdp else "one process, no FSDP"
@@ -412,20 +438,22 @@ def _meshes(cfg, out: MemoryPlan) -> List[Tuple[str, int, str]]:
     else:
         parts.append("trainer.cp splits a sequence over ranks")
     out.lines.append(f"  trainer mesh: dp_shard={mesh['dp_shard']} x ep={ep} x cp={cp} = {math.prod(mesh.values())} "
-                     f"rank(s), one GPU each ({'; '.join(parts)})")
+                     f"rank(s), one {_unit(gpus['trainer'])} each ({'; '.join(parts)})")
     if math.prod(mesh.values()) != ranks:  # config validation keeps ep | num_ranks; the check the mesh must keep
         out.problems.append(f"the trainer mesh {mesh} does not multiply to trainer.num_ranks={ranks}.")
         out.keys.append("trainer.num_ranks")
     pd = inf.disaggregation
     if inf.engine != "vllm":
-        out.lines.append(f"  inference mesh: {inf.num_workers} worker(s) x 1 {inf.engine} engine on one device (tp=1)")
+        where = "one GPU" if gpus["inference"] else "the CPU"
+        out.lines.append(f"  inference mesh: {inf.num_workers} worker(s) x 1 {inf.engine} engine on {where} (tp=1)")
         return []
     instances = [("decode" if pd.enabled else "engine", inf.tensor_parallel_size, "inference.tensor_parallel_size")]
     if pd.enabled:
         instances.insert(0, ("prefill", pd.prefill_tensor_parallel_size or inf.tensor_parallel_size,
                              "inference.disaggregation.prefill_tensor_parallel_size"))
     n = inf.nodes_per_instance  # config validation keeps it >= 1, dividing tp, and 1 with disaggregation
-    over = f" over {n} nodes, {inf.tensor_parallel_size // n} GPUs a node" if n > 1 else ""
+    per_node = f"{inf.tensor_parallel_size // n} {'GPUs' if gpus['inference'] else 'CPU processes'} a node"
+    over = f" over {n} nodes, {per_node}" if n > 1 else ""
     layout = " + ".join(f"1 {name} instance (tp={tp}{over})" for name, tp, _ in instances)
     out.lines.append(f"  inference mesh: {inf.num_workers} worker(s) x [{layout}]")
     return instances
@@ -516,11 +544,14 @@ def indexer_scores_bytes(hf, tokens: int, cp: int = 1, block_elements: int = 0) 
     return (scores + rest) * 4
 
 
-def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> None:
-    """The rows of one trainer rank (module docstring), their total, and the refusal when it exceeds the GPU."""
+def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, gpu: bool, out: MemoryPlan) -> None:
+    """The rows of one trainer rank (module docstring), their total, and the refusal when it exceeds the GPU. `gpu`:
+    the ranks compute on GPUs (else CPU processes)."""
     tr, ranks, P = cfg.trainer, cfg.trainer.num_ranks, counts.total
     master = DTYPE_BYTES[tr.master_dtype]
-    compute = 2 if tr.param_dtype == "auto" else DTYPE_BYTES[tr.param_dtype]  # auto: bfloat16 on a GPU
+    # auto: bfloat16 on a GPU, the master dtype on the CPU (rlhpc/train/parallel.py)
+    compute_dtype = tr.param_dtype if tr.param_dtype != "auto" else "bfloat16" if gpu else tr.master_dtype
+    compute = DTYPE_BYTES[compute_dtype]
     tokens = max(tr.micro_batch_tokens, cfg.inference.max_model_len)
     local = -(-tokens // max(tr.cp, 1))  # the positions one rank holds: T / cp
     state = model_state_bytes(P, master, ranks)
@@ -561,7 +592,8 @@ def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> Non
                  else f"3 x {local} x V={hf.vocab_size} x 4 B"))
     total = sum(r[1] for r in rows)
     other = activation_bytes(hf, local, compute, not tr.activation_checkpointing)
-    dtype = "bfloat16 (trainer.param_dtype=auto on a GPU)" if tr.param_dtype == "auto" else tr.param_dtype
+    dtype = (f"{compute_dtype} (trainer.param_dtype=auto on {'a GPU' if gpu else 'the CPU'})"
+             if tr.param_dtype == "auto" else compute_dtype)
     out.lines.append(f"   trainer rank (master {tr.master_dtype}, compute {dtype}):")
     out.lines += [_row(*r) for r in rows]
     out.lines.append(_row("total", total, f"of {gpu_gb:g} GiB" if gpu_gb else ""))
@@ -590,9 +622,10 @@ def _trainer(cfg, hf, counts: ParamCount, gpu_gb: float, out: MemoryPlan) -> Non
                  "trainer.micro_batch_tokens", "cluster.gpu_memory_gb"]
 
 
-def _inference(cfg, hf, counts: ParamCount, gpu_gb: float, instances, out: MemoryPlan) -> None:
-    """Divisibility by tp, and the rows of one GPU of each vLLM instance (module docstring), with the refusal when the
-    weights and one max_model_len sequence of KV cache exceed gpu_memory_gb x gpu_memory_utilization."""
+def _inference(cfg, hf, counts: ParamCount, gpu_gb: float, instances, gpu: bool, out: MemoryPlan) -> None:
+    """Divisibility by tp, and the rows of one GPU (`gpu`; else one CPU process) of each vLLM instance (module
+    docstring), with the refusal when the weights and one max_model_len sequence of KV cache exceed gpu_memory_gb x
+    gpu_memory_utilization."""
     inf, P = cfg.inference, counts.total
     budget = gpu_gb * GIB
     dtype_bytes = DTYPE_BYTES.get(cfg.model.dtype, 4)
@@ -621,7 +654,7 @@ def _inference(cfg, hf, counts: ParamCount, gpu_gb: float, instances, out: Memor
             out.keys.append(key)
         w, kv_seq = need(tp)
         nodes = f" over {inf.nodes_per_instance} nodes" if inf.nodes_per_instance > 1 else ""
-        out.lines.append(f"   inference {name} instance, per GPU of tp={tp}{nodes} (weights "
+        out.lines.append(f"   inference {name} instance, per {_unit(gpu)} of tp={tp}{nodes} (weights "
                          f"{inf.quantization or cfg.model.dtype}, kv cache {inf.kv_cache_dtype}):")
         out.lines.append(_row("weights", w, f"{_params(P)} x {serve} B / {tp} (vocabulary matrices at "
                                             f"{dtype_bytes} B)"))
