@@ -15,6 +15,7 @@ import pytest
 from rlhpc.metrics import read_rows
 from rlhpc.rundir import RunDir
 from rlhpc.train.evaluation import read_curve
+from test_weights_members import alarms
 
 TESTS = Path(__file__).resolve().parent
 SMALL = ["+exp=reverse_text", "sft.steps=5", "eval.num_tasks=8", "eval.interval=0", "launcher.progress=false",
@@ -26,6 +27,11 @@ def launch(run_dir, *overrides, timeout=240, env=None, **kw):
         [sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", *overrides],
         capture_output=True, text=True, timeout=timeout, env=env, **kw,
     )
+
+
+def alarming_logs(run_dir) -> dict:
+    """The role logs of `run_dir` that show a torch warning or a traceback (what reads as a crash), with their ends."""
+    return alarms({p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")})
 
 
 def rlhpc_processes(run_dir, roles_only: bool = False) -> list:
@@ -269,6 +275,8 @@ def test_a_run_stopped_by_sigterm_resumes_from_its_checkpoint_and_trains_each_gr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_at"] == [stopped_at] and summary["rl_steps"] == steps
     assert_each_step_and_group_once(ledger, steps)
+    # Neither the stop nor the end: the trainer's store outlives the workers' use of it, in both launches.
+    assert not alarming_logs(run_dir)
 
 
 def stop_after(args, run_dir, lines: int):

@@ -4,6 +4,7 @@ the trainer's publish never waits longer than one call for answers."""
 
 import os
 import signal
+import sys
 import time
 import traceback
 
@@ -307,3 +308,95 @@ def test_a_restarted_only_worker_is_admitted_while_the_trainer_waits_for_its_rol
     sender.close()
     reported(out, ("closed", 1))
     procs[1].join(timeout=30)
+
+
+# What torch prints when a store call fails or runs out of time (C++ warnings, with a C++ stack), and Python's own.
+ALARMS = ("[c10d]", "waitForInput", "DistNetworkError", "Connection reset by peer", "Traceback")
+
+
+def _logged(target, log, *args):
+    """`target(*args)` with this process's stderr (torch's C++ warnings included) in `log`, as a role's log."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)
+    target(*args)
+
+
+def _ending_trainer(run_root, silent_s, end):
+    """The trainer of a run that ends well: one update, `silent_s` with nothing to say (a step), then, once `end` is
+    set, the last step's end: the group closes and the process ends at once, as a role does (os._exit), taking its
+    store along."""
+    sender = BroadcastSender(RunDir(run_root), num_receivers=2, bucket_mb=1, timeout_s=60, attempt="t")
+    sender.publish(1, weights(1))
+    time.sleep(silent_s)
+    end.wait(timeout=120)
+    sender.close()
+    os._exit(0)
+
+
+def _busy_follower(run_root, member, out, busy_s, busy):
+    """`_follower` whose loop, after the first update, keeps the interpreter for `busy_s` (a generation in Python),
+    from when it sets the event `busy`: its receiver thread does not run meanwhile, so it reads what the trainer says
+    then late."""
+    try:
+        recv = BroadcastReceiver(RunDir(run_root), member, timeout_s=60, attempt="t")
+        while not recv.closed():
+            update = recv.poll()
+            if update is not None:
+                out.put(("got", member, update.version))
+                if busy_s:
+                    switch = sys.getswitchinterval()
+                    sys.setswitchinterval(60)  # no other thread of this process runs until this one waits
+                    t0 = time.monotonic()
+                    busy.set()  # (not a report: the queue's feeder thread would not run either)
+                    while time.monotonic() - t0 < busy_s:
+                        pass
+                    sys.setswitchinterval(switch)
+            recv.wait(0.05)
+        recv.close()
+        out.put(("closed", member))
+    except BaseException as e:  # noqa: BLE001
+        out.put(("error", member, f"{type(e).__name__}: {e}", traceback.format_exc()))
+
+
+def ended_run_logs(tmp_path, silent_s, busy_s=0.0):
+    """Runs `_ending_trainer` to the end with two `_busy_follower`s, ending it once both are busy; returns each
+    process's log."""
+    RunDir(tmp_path).make()
+    out, end, busy = Reports(), CTX.Event(), {m: CTX.Event() for m in (1, 2)}
+    logs = [tmp_path / "trainer.log", tmp_path / "inference-1.log", tmp_path / "inference-2.log"]
+    procs = [CTX.Process(target=_logged, args=(_ending_trainer, str(logs[0]), str(tmp_path), silent_s, end),
+                         daemon=True)]
+    procs += [CTX.Process(target=_logged, args=(_busy_follower, str(logs[m]), str(tmp_path), m, out.new_queue(), busy_s,
+                                                busy[m]), daemon=True) for m in (1, 2)]
+    for p in procs:
+        p.start()
+    if busy_s:
+        assert all(busy[m].wait(timeout=120) for m in (1, 2)), "the followers got no update"
+    end.set()
+    reports = []
+    deadline = time.time() + 120 + silent_s
+    while {r[1] for r in reports if r[0] in ("closed", "error")} != {1, 2}:
+        assert time.time() < deadline, reports
+        reports += out.drain(0.5)
+    for p in procs:
+        p.join(timeout=30)
+    assert sorted(r for r in reports if r[0] in ("closed", "error")) == [("closed", 1), ("closed", 2)], reports
+    assert {r[1:] for r in reports if r[0] == "got"} == {(1, 1), (2, 1)}, reports
+    return {log.name: log.read_text() for log in logs}
+
+
+def alarms(logs):
+    """Of `logs` (name: text), those that show one of ALARMS, with their ends."""
+    return {name: text[-3000:] for name, text in logs.items() if any(a in text for a in ALARMS)}
+
+
+@pytest.mark.slow  # 40 s of silence
+def test_members_waiting_through_a_long_step_log_nothing(tmp_path):
+    """A trainer that says nothing for 40 s (a long step, a checkpoint, the final evaluation) is no timeout."""
+    assert not alarms(ended_run_logs(tmp_path, silent_s=40))
+
+
+def test_the_end_of_a_run_leaves_nothing_alarming_in_the_logs_of_members_busy_meanwhile(tmp_path):
+    """The trainer's process ends right after the close while its members are busy generating (for 3 s): they leave
+    the group and its store before the store goes, so no log shows a closed connection."""
+    assert not alarms(ended_run_logs(tmp_path, silent_s=0, busy_s=3.0))

@@ -228,7 +228,8 @@ class LocalAttach:
             print(f"attached {p.name} exited with code {p.popen.returncode}. Last lines of "
                   f"{run.log_file(p.role, p.rank)}:\n{tail(run.log_file(p.role, p.rank), 40)}", file=sys.stderr)
         if not bad and not run.done.exists():
-            print("the attached workers left before the run was done (see their logs)", file=sys.stderr)
+            print("the attached workers left before the run was done (the trainer stopped? see their logs); attach "
+                  "again once the run goes on", file=sys.stderr)
         return 1 if bad else 0
 
 

@@ -177,6 +177,9 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
         waited = 0.0
         t_last = time.time()
     idle.set(False)
+    if receiver.closed() and not run.done.exists() and not stop_requested():
+        log.info("the trainer stopped before the run was done (it checkpointed: a stop, a requeue) and closed the "
+                 "weights group; leaving")
     log.info("worker %d done after %d batches (weights version %d)", rank, seq, version)
     metrics.close()
     receiver.close()

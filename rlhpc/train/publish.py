@@ -173,4 +173,10 @@ class Publisher:
                        write=lambda folder: snapshot_file(folder, layout, stream))
 
     def close(self) -> None:
+        """Rank 0, after the last version."""
         self.sender.close()
+
+    def leave(self) -> None:
+        """Rank 0 stopping before the last step: the workers let go of it before this process ends
+        (WeightsSender.leave)."""
+        self.sender.leave()

@@ -239,6 +239,7 @@ class Trainer:
         log.warning("stop requested (%s): checkpointing at step %d", stop_requested(), next_step)
         self.save_checkpoint(next_step)
         if self.is_main:
+            self.publisher.leave()
             self.metrics.close()
         return self.requeue(next_step)
 

@@ -60,7 +60,11 @@ class WeightsSender(ABC):
         worker need not wait for an update that only its own rollouts would bring."""
 
     def close(self) -> None:
-        pass
+        """After the last version: nothing more will be sent."""
+
+    def leave(self) -> None:
+        """This process ends before the run does (asked to stop; a later launch goes on): lets go of the receivers
+        connected to it. Unlike `close`, leaves nothing that tells a later launch's receivers the run ended."""
 
 
 class WeightsReceiver(ABC):
@@ -174,7 +178,10 @@ class FilesystemReceiver(WeightsReceiver):
 #                                    and those form epoch e's group (a member not listed joins again);
 #   {"kind": "update", "version": v, "epoch": e}
 #                                    the buckets of version v follow in epoch e's group;
-#   {"kind": "close"}                nothing more will be sent.
+#   {"kind": "close"}                nothing more will be sent: each member drops its group and sets bye/<id> (as it
+#                                    does when its worker stops), its last store call; the trainer waits for those (at
+#                                    most CALL_WAIT_S) before its process ends and takes the store along, so that no
+#                                    member meets a closed connection (torch logs one with a C++ stack).
 # Each message rings bell/<id>/<n> for every member id known, set with it in one store request: a member blocks on
 # its bell (a store wait, no polling) and reads the message the moment it is said.
 # A candidate (a new, restarted or attached worker; member id = its rank + 1) announces its id (joiners counter,
@@ -227,9 +234,12 @@ def _numel(shape: List[int]) -> int:
     return n
 
 
-# Seconds a member waits on its bell before it looks for the message anyway (a safety net: every message rings the
-# bell of every member id the trainer knows, and a member reads from a message said after the trainer knew it).
-BELL_WAIT_S = 30.0
+# Seconds a member waits on its bell before it looks for the message anyway. Every message rings the bell of every
+# member id the trainer knows, and a member reads from a message said after the trainer knew it, so a wait ends with
+# a message (or a closed connection: the trainer is gone); the bound only keeps one wait finite. It is long because
+# torch logs every store wait that runs out, and a trainer may say nothing for as long as a step, a checkpoint or the
+# final evaluation takes.
+BELL_WAIT_S = 3600.0
 
 # Seconds a call waits for the answers of the members it expects (those alive answer within milliseconds; the wait
 # only runs out when one died, once per failure).
@@ -300,6 +310,7 @@ class BroadcastSender(WeightsSender):
             ok = secrets.compare_digest(presented.encode(), self.token.encode())
             verdict = "taken" if ok and member in forming else "ok" if ok else "refused"
             if verdict == "ok":
+                self.store.delete_key(f"bye/{member}")  # left by an earlier life of this member (it stopped)
                 self.store.set(f"start/{member}/{nonce}", str(start))
                 admitted.append(member)
                 if member in self.members:  # a restarted worker: its earlier life is gone
@@ -475,11 +486,26 @@ class BroadcastSender(WeightsSender):
         self.broken = True
 
     def close(self) -> None:
+        """Says that nothing more will be sent, then waits until the members have left (bye/<id>), at most CALL_WAIT_S:
+        those alive leave within milliseconds, and this process may end (taking the store along) once they have."""
         try:
             self._say({"kind": "close"})
         except Exception as e:  # noqa: BLE001 - receivers already gone: nothing to tell them
             log.warning("weights group: shutdown message not delivered: %s", e)
         self._drop_group()
+        members = sorted(set(self.members) | self.admitted)
+        deadline = time.monotonic() + CALL_WAIT_S
+        # Polled: a store wait that runs out is logged by torch, and it runs out whenever a member died meanwhile.
+        while not self.store.check([f"bye/{m}" for m in members]) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        stayed = [m for m in members if not self.store.check([f"bye/{m}"])]
+        if stayed:
+            log.warning("weights group: members %s did not leave within %.0fs of the close (dead?); closing anyway",
+                        stayed, CALL_WAIT_S)
+
+    def leave(self) -> None:
+        self.close()  # the group ends with this process either way: a later launch forms its own
+
 
 class BroadcastReceiver(WeightsReceiver):
     """An inference worker's end of the weights group. A background thread follows the trainer's messages and receives
@@ -529,6 +555,10 @@ class BroadcastReceiver(WeightsReceiver):
         self._arrived = threading.Event()  # set while an update (or the end) waits for `poll`
         self.error: Optional[BaseException] = None
         self._stopping = False
+        # Held while this member says bye, and by `close` while it rings the bell: once bye is said the trainer may end
+        # and take the store along, so no call to the store follows it.
+        self._leaving = threading.Lock()
+        self._left = False
         self._thread = threading.Thread(target=self._run, name="weights-receiver", daemon=True)
         self._thread.start()
 
@@ -587,11 +617,19 @@ class BroadcastReceiver(WeightsReceiver):
                 elif msg["epoch"] != self.group_epoch or self.group is None:
                     # An update of an epoch this member is not in (it missed the call): join the next one.
                     self.cursor = self._join()
+            self._leave()
         except BaseException as e:  # noqa: BLE001 - reported to the worker loop through `error`
             self.error = e
         finally:
             self._closed = True
             self._arrived.set()
+
+    def _leave(self) -> None:
+        """Drops the group and tells the trainer that this member is done with its store (the close, or `close`)."""
+        self._drop_group()
+        with self._leaving:
+            self.store.set(f"bye/{self.member}", "1")
+            self._left = True
 
     def _answer(self, epoch: int) -> None:
         """Answers a call; forms epoch `epoch`'s group if listed, else joins again."""
@@ -730,9 +768,10 @@ class BroadcastReceiver(WeightsReceiver):
 
     def close(self) -> None:
         self._stopping = True
-        if self._thread.is_alive():
-            try:
-                self._waker.set(f"bell/{self.member}/{self.cursor}", "stop")  # the thread waits on it, or stops first
-            except Exception:  # noqa: BLE001 - the trainer's store is gone: the thread already stopped on that
-                pass
+        with self._leaving:
+            if self._thread.is_alive() and not self._left:
+                try:  # the thread waits on this bell, or stops first
+                    self._waker.set(f"bell/{self.member}/{self.cursor}", "stop")
+                except Exception:  # noqa: BLE001 - the trainer's store is gone: the thread already stopped on that
+                    pass
         self._thread.join(timeout=1.0)
