@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -74,22 +73,18 @@ def _last(rows: List[Dict[str, Any]], key: str) -> Optional[Dict[str, Any]]:
 def _script_run_dir(run: RunDir) -> Optional[str]:
     """The run_dir that run_dir/job.sbatch names when it is not this folder (the folder was moved or copied since the
     script was written), else None."""
+    from rlhpc.cluster.hetjob import script_run_dir
+
     try:
-        script = (run.root / "job.sbatch").read_text(errors="replace")
+        named = script_run_dir((run.root / "job.sbatch").read_text(errors="replace"))
     except OSError:
         return None
-    for line in script.splitlines():
-        if line.startswith("export RLHPC_RUN_DIR="):
-            try:
-                named = shlex.split(line[len("export RLHPC_RUN_DIR="):])[0]
-            except (ValueError, IndexError):
-                return None  # not a line rlhpc wrote
-            try:
-                same = os.path.samefile(named, run.root)
-            except OSError:
-                same = False  # gone, or never here
-            return None if same else named
-    return None
+    if named is None:
+        return None
+    try:
+        return None if os.path.samefile(named, run.root) else named
+    except OSError:
+        return named  # gone, or never here
 
 
 def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:

@@ -264,7 +264,7 @@ class SlurmAttach:
         ])
 
     def script(self, ranks: List[object]) -> str:
-        from rlhpc.cluster.hetjob import _TASK, _component_lines, _sbatch
+        from rlhpc.cluster.hetjob import _TASK, _component_lines, _sbatch, run_dir_line
 
         plan, g, folder = self.job, self.job.groups[0], self.a.folder
         header = [
@@ -278,7 +278,7 @@ class SlurmAttach:
         ] + _component_lines(plan, g)
         env = [
             "",
-            f"export RLHPC_RUN_DIR={shlex.quote(str(plan.run_dir))}",
+            run_dir_line(plan.run_dir),
             f"export RLHPC_PYTHON={shlex.quote(plan.python)}",
             f"export RLHPC_MAX_RESTARTS={plan.max_restarts}",
             "export RLHPC_ATTACH=1",

@@ -322,6 +322,25 @@ exit $rc
 """
 
 
+# The line of a job script that names its run directory (render_script, attach.py's script; script_run_dir reads it).
+RUN_DIR_LINE = "export RLHPC_RUN_DIR="
+
+
+def run_dir_line(run_dir: Path) -> str:
+    return f"{RUN_DIR_LINE}{shlex.quote(str(run_dir))}"
+
+
+def script_run_dir(script: str) -> Optional[str]:
+    """The run_dir that a job script rlhpc wrote names (its RUN_DIR_LINE), or None if it names none."""
+    for line in script.splitlines():
+        if line.startswith(RUN_DIR_LINE):
+            try:
+                return shlex.split(line[len(RUN_DIR_LINE):])[0]
+            except (ValueError, IndexError):
+                return None  # not a line rlhpc wrote
+    return None
+
+
 def render_script(plan: JobPlan, exp_name: str = "") -> str:
     header = [
         "#!/bin/bash",
@@ -338,7 +357,7 @@ def render_script(plan: JobPlan, exp_name: str = "") -> str:
     header += _component_lines(plan, plan.inference)
     env = [
         "",
-        f"export RLHPC_RUN_DIR={shlex.quote(str(plan.run_dir))}",
+        run_dir_line(plan.run_dir),
         f"export RLHPC_PYTHON={shlex.quote(plan.python)}",
         f"export RLHPC_REQUEUE={int(plan.requeue)}",
         f"export RLHPC_MAX_RESTARTS={plan.max_restarts}",
