@@ -32,14 +32,16 @@ from rlhpc.rundir import RunDir
 
 def check(cfg: Config, model: bool = True) -> None:
     """Raises ConfigError naming the key of the first thing that cannot work. `model=False` skips `model.path` (a dry
-    run may plan for a checkpoint that only the cluster's filesystem holds); a model built in code is always checked."""
+    run may plan for a checkpoint that only the cluster's filesystem holds); a model built in code is always checked.
+    The quick checks come first: a wrong loss or environment name is reported in the time Python takes to start, not
+    after the model was loaded and run."""
+    check_loss(cfg)
+    check_env(cfg)
     if model or not cfg.model.path:
         check_model(cfg)
     if cfg.inference.serve and cfg.launcher.name == "local" and not cfg.dry_run:
         check_serving(cfg)
     check_context(cfg)
-    check_env(cfg)
-    check_loss(cfg)
 
 
 def check_model(cfg: Config, trainer: bool = True) -> None:
