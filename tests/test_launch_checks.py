@@ -52,6 +52,15 @@ def test_a_bad_value_is_one_line_naming_the_key_and_nothing_starts(tmp_path, ove
     refused_in_one_line(launch(tmp_path, override), message, tmp_path)
 
 
+def test_a_wrong_name_is_named_before_the_model_is_checked(tmp_path):
+    # The quick checks (the loss, the environment) come before the model's, which loads and runs the model: with both
+    # wrong, the name is what the user hears about, at once.
+    refused_in_one_line(launch(tmp_path, "algo.name=nope", "+model.extra.head_dim=3"),
+                        "error: config key `algo.name`: unknown loss 'nope'", tmp_path)
+    refused_in_one_line(launch(tmp_path, "env.name=nope", "model.path=/does/not/exist"),
+                        "error: config key `env.name`: no environment 'nope'", tmp_path)
+
+
 def refused_in_one_line(proc, message, tmp_path):
     """Exit code 2, one line on stderr that starts with `message`, no traceback, and no run directory written."""
     assert proc.returncode == 2
