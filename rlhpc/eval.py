@@ -209,18 +209,20 @@ def report(tasks: Sequence[Any], sampled: List[List[Any]], greedy: List[List[Any
 def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
     import httpx
 
-    from rlhpc import env as env_mod
-    from rlhpc import models, preflight
-    from rlhpc.env.pool import EnvPool
-    from rlhpc.infer.engines.remote import RemoteEngine, RemoteEngineError
-    from rlhpc.infer.rollout import episodes
-    from rlhpc.infer.server import endpoint
+    from rlhpc import preflight
 
     e = cfg.eval
     server, scratch = None, None
     # Against a running server only the tokenizer of model.path is used (served_tokenizer checks it).
     if cfg.model.path and not (e.run or e.endpoint):
-        preflight.check_model(cfg, trainer=False)
+        preflight.check_model(cfg, trainer=False)  # a path that is no folder: said before the imports below
+    from rlhpc import env as env_mod
+    from rlhpc import models
+    from rlhpc.env.pool import EnvPool
+    from rlhpc.infer.engines.remote import RemoteEngine, RemoteEngineError
+    from rlhpc.infer.rollout import episodes
+    from rlhpc.infer.server import endpoint
+
     preflight.check_context(cfg)
     env = env_mod.load(cfg.env)
     if e.run:

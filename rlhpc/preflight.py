@@ -48,18 +48,18 @@ def check_model(cfg: Config, trainer: bool = True) -> None:
     """`model.path` (when set) holds a config and a tokenizer that load and belong together, and whole weights
     (`check_weights`); `trainer=False` (serving, evaluation) also accepts weights other than safetensors. Without
     `model.path`, the model built in code builds and runs (rlhpc.models.built_model_problem)."""
+    path = cfg.model.path
+    if path and not Path(path).is_dir():  # said before transformers is imported (~2.5 s)
+        raise ConfigError(f"config key `model.path`: {path} is not a folder (a local Hugging Face checkpoint: "
+                          f"config.json, tokenizer files, *.safetensors)")
     from rlhpc import models
 
-    path = cfg.model.path
     if not path:
         problem = models.built_model_problem(cfg.model)
         if problem is not None:
             raise ConfigError(problem)
         return
     folder = Path(path)
-    if not folder.is_dir():
-        raise ConfigError(f"config key `model.path`: {path} is not a folder (a local Hugging Face checkpoint: "
-                          f"config.json, tokenizer files, *.safetensors)")
     from transformers import AutoConfig
 
     try:
