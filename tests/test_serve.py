@@ -385,6 +385,35 @@ def test_a_client_that_leaves_takes_its_queued_request_with_it(model_dir, tok):
         server.close()
 
 
+def test_an_in_process_client_that_gives_up_takes_its_queued_request_with_it(model_dir, tok):
+    """A client in the server's own process (an ASGI transport over its app, as verifiers' TrainClient reaches a
+    worker's private endpoint) that is cancelled while its request waits: the request leaves the queue, as a closed
+    socket's does."""
+    import asyncio
+
+    engine = CountingEngine(HFEngine.from_pretrained(str(model_dir), seed=1))
+    server = Server(engine, tok, "tiny", context_length(model_dir), TOKEN, max_sequences=4).start()
+
+    async def main() -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://in-process",
+                                     headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as client:
+            body = {"model": "tiny", "prompt": [5, 6, 7], "n": 4, "ignore_eos": True}
+            asks = [asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(6)]
+            await asyncio.sleep(0.5)
+            for a in asks:  # 6 requests of 4 sequences, 4 a call: 6 engine calls if all were generated
+                a.cancel()
+            await asyncio.gather(*asks, return_exceptions=True)
+            r = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,
+                                                                "max_tokens": 2})
+            return r.status_code
+
+    try:
+        assert asyncio.run(main()) == 200
+        assert engine.calls <= 3, f"{engine.calls} engine calls: the abandoned requests were generated"
+    finally:
+        server.close()
+
+
 def test_closing_answers_every_waiting_request_503_at_once(model_dir, tok):
     engine = CountingEngine(HFEngine.from_pretrained(str(model_dir), seed=1))
     server = Server(engine, tok, "tiny", context_length(model_dir), TOKEN, max_sequences=4).start()

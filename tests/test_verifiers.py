@@ -90,13 +90,18 @@ class ScriptedPolicy(Engine):
         raise NotImplementedError
 
 
-def run(pkg: str, engine, tok, n: int = 2, tasks: int = 2, max_new_tokens: int = 12):
+def run(pkg: str, engine, tok, n: int = 2, tasks: int = 2, max_new_tokens: int = 12, served: list = None, **args):
+    """`tasks` tasks x `n` episodes of `pkg` against `engine`; `served` gets the requests the private endpoint answered
+    over its socket."""
     cfg = EnvConfig(name="verifiers", cls="rlhpc.env.verifiers_env:VerifiersEnvironment",
-                    args={"id": pkg, "eval_size": 4, "num_tasks": 8}, pool_processes=0, max_new_tokens=max_new_tokens)
+                    args={"id": pkg, "eval_size": 4, "num_tasks": 8, **args}, pool_processes=0,
+                    max_new_tokens=max_new_tokens)
     env = load(cfg)
     try:
         task_list = list(env.tasks("eval", 0))[:tasks]
         groups = episodes(engine, env, EnvPool(cfg, processes=0, env=env), tok, task_list, n, 1.0, cfg, version=3)
+        if served is not None:
+            served.append(env._server._server.server_state.total_requests)  # uvicorn's count of HTTP requests
     finally:
         env.close()
     return task_list, groups
@@ -126,6 +131,19 @@ def test_a_single_turn_episode_carries_verifiers_reward_and_the_engines_tokens(t
             assert tokens == c.tokens and logprobs == c.logprobs and all(e.mask)
             assert e.reward == pytest.approx((len(word) - 1) / len(word))  # verifiers' @vf.reward of that answer
             assert e.error is None and e.turns == 1 and e.max_version == 3
+
+
+def test_the_worker_endpoint_is_reached_in_process_with_the_answers_it_gives_over_http(tok):
+    """verifiers' TrainClient reaches the worker's private token endpoint through an in-process transport by default:
+    no request crosses its socket, and the episodes are the ones it gives over loopback HTTP
+    (`env.args.in_process_endpoint=false`)."""
+    out = {}
+    for in_process in (True, False):
+        served = []
+        _, groups = run("vf_guess_feedback", ScriptedPolicy(tok), tok, served=served, in_process_endpoint=in_process)
+        out[in_process] = [(e.ids, e.mask, e.logprobs, e.reward, e.turns) for g in groups for e in g], served[0]
+    assert out[True][1] == 0 and out[False][1] >= 8  # 2 tasks x 2 episodes x 2 turns over the socket
+    assert out[True][0] == out[False][0] and all(turns == 2 for *_, turns in out[True][0])
 
 
 @pytest.mark.slow

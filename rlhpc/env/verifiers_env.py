@@ -6,7 +6,9 @@ default) in the local `subprocess` runtime, its model calls through verifiers' i
 which renders the prompts with the `renderers` package and POSTs token ids to an rlhpc server's
 `/inference/v1/generate` (rlhpc.infer.server) over the engine it is given: the worker's engine during training (a
 private loopback server with a random token, sharing the engine's lock), the trainer's for held-out evaluation, or the
-served policy itself with `rlhpc.eval`.
+served policy itself with `rlhpc.eval`. A private server is reached in-process: TrainClient's HTTP client gets an ASGI
+transport over the server's app instead of a socket (the same requests, token check, handlers and answers; see
+`_in_process_transport`).
 
 Each finished episode's traces become rlhpc episodes exactly as verifiers reports them: every trainable branch of a
 trainable agent's trace is one sample (its `token_ids`, `sampled_mask`, `logprobs`), rewarded with the trace's reward
@@ -52,14 +54,15 @@ class VerifiersEnvironment(Environment):
                  harness: Optional[Dict[str, Any]] = None, runtime: Optional[Dict[str, Any]] = None,
                  agent: Optional[Dict[str, Any]] = None, env: Optional[Dict[str, Any]] = None, eval_size: int = 64,
                  max_concurrent: int = 256, renderer: Optional[Dict[str, Any]] = None, reference_field: str = "",
-                 **taskset_args: Any):
+                 in_process_endpoint: bool = True, **taskset_args: Any):
         """`id`: the taskset package; `env_id`: a verifiers Env to pair with it ("": the package's own, else the
         single-agent env); `taskset` and any other keyword: the taskset's own config keys; `harness` (default
         {"id": "rlhpc_chat"}, verifiers' chat loop in-process), `runtime` (default {"type": "subprocess"}) and `agent`
         (max_turns, timeouts, ...): the agent seat(s); `env`: further verifiers EnvConfig keys; `eval_size`: the first
         tasks are the held-out set; `max_concurrent`: episodes in flight; `renderer`: a renderers config ("": chosen
         from the model); `reference_field`: the task data field holding a correct answer, for the SFT warm start
-        ("": none)."""
+        ("": none); `in_process_endpoint`: reach the private token endpoint in-process (false: over loopback HTTP, as
+        verifiers does by default; 1.4x the cost per episode on a small model, benchmarks/verifiers_overhead.py)."""
         self.id = id
         self.name = f"verifiers:{id}"
         self.env_id = env_id
@@ -74,6 +77,7 @@ class VerifiersEnvironment(Environment):
         self.max_concurrent = max_concurrent
         self.renderer = renderer
         self.reference_field = reference_field
+        self.in_process_endpoint = in_process_endpoint
         self._env: Any = None  # the verifiers Env, built at first use
         self._tasks: Optional[List[Any]] = None
         self._server: Any = None  # a private server over the engine episodes run against
@@ -226,6 +230,9 @@ class VerifiersEnvironment(Environment):
             self.close()  # one private server, over the engine in use (the trainer's warm-start engine is let go)
             server = self._server = Server(engine, load_tokenizer(model_dir), model_dir, context_length(model_dir),
                                            secrets.token_hex(16), vocab_size=vocab_size(model_dir)).start()
+            if self.in_process_endpoint:
+                _in_process_transport()
+                _IN_PROCESS[server.url] = server.app
         return server.url, server.token, server.model, model_dir
 
     def _renderer_config(self, tokenizer) -> Any:
@@ -247,8 +254,43 @@ class VerifiersEnvironment(Environment):
 
     def close(self) -> None:
         if self._server is not None:
+            _IN_PROCESS.pop(self._server.url, None)
             self._server.close()
             self._server = None
+
+
+# The apps of this process's private servers, by URL: verifiers clients of these URLs reach them in-process.
+_IN_PROCESS: Dict[str, Any] = {}
+
+
+def _in_process_transport() -> None:
+    """Makes verifiers' clients of a private server of this process (a base URL in `_IN_PROCESS`) call its app
+    through an httpx ASGI transport, not a socket: the same HTTP requests, token check, handlers and answers, in the
+    episodes' event loop. Over loopback, every model call paid an HTTP round trip to the server's thread, and
+    httpcore's connection pool, which verifiers' TrainClient keeps one of for all episodes in flight (up to 256
+    connections), scans its connections on every request and every release: measured, 15 ms of CPU per single-turn
+    episode over loopback, 10.5 ms in-process (benchmarks/verifiers_overhead.py).
+
+    verifiers (pinned, 0.4.0) builds every client's httpx client in `verifiers.v1.clients.base.build_async_httpx`;
+    that function is wrapped once. Other URLs, and other clients, get verifiers' own."""
+    from verifiers.v1.clients import base
+
+    original = base.build_async_httpx
+    if getattr(original, "rlhpc_in_process", False):
+        return
+
+    def build_async_httpx(config: Any) -> Any:
+        import httpx
+
+        url = str(config.base_url or "")
+        app = next((a for u, a in list(_IN_PROCESS.items()) if url == u or url.startswith(u + "/")), None)
+        if app is None:
+            return original(config)
+        return httpx.AsyncClient(timeout=httpx.Timeout(**config.timeout.model_dump()),
+                                 transport=httpx.ASGITransport(app=app))
+
+    build_async_httpx.rlhpc_in_process = True  # type: ignore[attr-defined]
+    base.build_async_httpx = build_async_httpx
 
 
 _LOOP: Optional[asyncio.AbstractEventLoop] = None

@@ -190,6 +190,11 @@ class Server:
                     raise ApiError(499, "the client disconnected", kind="client_closed_request")
         except ShuttingDown as e:
             raise ApiError(503, str(e), kind="service_unavailable") from None
+        except asyncio.CancelledError:
+            # The handler's task was cancelled: a client in this process (an in-process transport runs the handler in
+            # the caller's task) that gave up, or the server stopping. Nothing is generated for no one.
+            future.cancel()
+            raise
 
 
 # ---- request parsing ------------------------------------------------------------------------------------------------
