@@ -181,6 +181,9 @@ def test_closing_the_terminal_ends_every_process_and_the_trainer_checkpoints(tmp
     run_dir = tmp_path / "run"
     pid, terminal = pty.fork()  # the child leads a session whose controlling terminal is `terminal`
     if pid == 0:
+        # As from a user's shell: a SIGHUP that ends the process unless handled. Ignoring it is inherited (pytest under
+        # `nohup`), and a launcher started ignoring it goes on after its terminal closes, as `nohup` asks.
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         os.execv(sys.executable, [sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}",
                                   "trainer.steps=10000"])
     ended = (0, 0)
