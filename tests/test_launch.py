@@ -161,13 +161,21 @@ def test_sigint_ends_every_process_the_launcher_started(tmp_path):
     deadline = time.time() + 120
     while time.time() < deadline and len(rlhpc_processes(run_dir, roles_only=True)) < 3:
         time.sleep(0.2)
-    assert len(rlhpc_processes(run_dir, roles_only=True)) == 3
-    time.sleep(2)
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 130
-    assert "SIGINT" in err
-    assert rlhpc_processes(run_dir) == []
+    try:
+        assert len(rlhpc_processes(run_dir, roles_only=True)) == 3
+        time.sleep(2)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 130
+        assert "SIGINT" in err
+        assert rlhpc_processes(run_dir) == []
+    finally:  # a launcher that did not end must not train on beside the next tests
+        for pid in [p.pid, *rlhpc_processes(run_dir)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait(timeout=30)
 
 
 @pytest.mark.slow
