@@ -170,12 +170,11 @@ def test_sigint_ends_every_process_the_launcher_started(tmp_path):
         assert "SIGINT" in err
         assert rlhpc_processes(run_dir) == []
     finally:  # a launcher that did not end must not train on beside the next tests
-        for pid in [p.pid, *rlhpc_processes(run_dir)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.wait(timeout=30)
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+        for leftover in rlhpc_processes(run_dir):
+            os.kill(leftover, signal.SIGKILL)
 
 
 @pytest.mark.slow
@@ -189,9 +188,6 @@ def test_closing_the_terminal_ends_every_process_and_the_trainer_checkpoints(tmp
     run_dir = tmp_path / "run"
     pid, terminal = pty.fork()  # the child leads a session whose controlling terminal is `terminal`
     if pid == 0:
-        # As from a user's shell: a SIGHUP that ends the process unless handled. Ignoring it is inherited (pytest under
-        # `nohup`), and a launcher started ignoring it goes on after its terminal closes, as `nohup` asks.
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         os.execv(sys.executable, [sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}",
                                   "trainer.steps=10000"])
     ended = (0, 0)

@@ -269,7 +269,7 @@ def _in_process_transport() -> None:
     episodes' event loop. Over loopback, every model call paid an HTTP round trip to the server's thread, and
     httpcore's connection pool, which verifiers' TrainClient keeps one of for all episodes in flight (up to 256
     connections), scans its connections on every request and every release: measured, 15 ms of CPU per single-turn
-    episode over loopback, 10.5 ms in-process (benchmarks/verifiers_overhead.py).
+    episode over loopback, 11.0 ms in-process (benchmarks/verifiers_overhead.py).
 
     verifiers (pinned, 0.4.0) builds every client's httpx client in `verifiers.v1.clients.base.build_async_httpx`;
     that function is wrapped once. Other URLs, and other clients, get verifiers' own."""
