@@ -10,8 +10,11 @@ is the machinery around the model, not the model). Three ways, interleaved, best
   it by default: the `rlhpc_chat` harness in the worker's event loop, verifiers' interception server and TrainClient,
   which reaches rlhpc's token endpoint through an in-process transport;
 - `verifiers loopback HTTP`: the same, with TrainClient reaching the endpoint over a loopback socket
-  (`env.args.in_process_endpoint=false`, verifiers' own client).
-Prints ms of wall time and of CPU per episode, and the ratios to rlhpc's own loop and in-process/HTTP.
+  (`env.args.in_process_endpoint=false`, verifiers' own client);
+- `verifiers N processes`: the batch's tasks shared by --processes processes of their own, each with its own event
+  loop, reaching the endpoint over loopback HTTP (`env.args.episode_processes=N`).
+Prints ms of wall time per episode and of CPU of this process (the worker's: the endpoint, and the episodes unless
+they run in processes of their own), and the ratios to rlhpc's own loop, in-process/HTTP and processes/in-process.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=16)
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--processes", type=int, default=os.cpu_count() or 2, help="episode_processes of the last row")
     args = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="rlhpc-vf-bench-"))
     try:
@@ -72,13 +76,15 @@ def run(args: argparse.Namespace, model_dir: Path) -> None:
     tok = models.load_tokenizer(model_dir)
     policy = InstantPolicy(tok("olleh", add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
 
-    def vf(in_process: bool) -> EnvConfig:
+    def vf(**more) -> EnvConfig:
         return EnvConfig(name="verifiers", cls="rlhpc.env.verifiers_env:VerifiersEnvironment", pool_processes=0,
                          max_new_tokens=16, args={"id": "vf_reverse_text", "eval_size": args.tasks, "num_tasks": 200,
-                                                  "in_process_endpoint": in_process})
+                                                  **more})
 
+    processes = f"verifiers {args.processes} processes"
     cfgs = {"rlhpc reverse_text": EnvConfig(name="reverse_text", pool_processes=0, max_new_tokens=16),
-            "verifiers in-process": vf(True), "verifiers loopback HTTP": vf(False)}
+            "verifiers in-process": vf(), "verifiers loopback HTTP": vf(in_process_endpoint=False),
+            processes: vf(episode_processes=args.processes)}
     runs = {}
     for label, cfg in cfgs.items():
         env = load(cfg)
@@ -102,11 +108,12 @@ def run(args: argparse.Namespace, model_dir: Path) -> None:
     episodes_ = args.tasks * args.n
     print(f"verifiers overhead: {args.tasks} tasks x {args.n} single-turn episodes, a policy that costs nothing; "
           f"best of {args.repeats}")
-    print(f"  {'':<26}{'ms/episode':>11}{'CPU ms':>8}{'x rlhpc loop':>14}")
+    print(f"  {'':<26}{'ms/episode':>11}{'CPU ms (this process)':>22}{'x rlhpc loop':>14}")
     native = best["rlhpc reverse_text"][0]
     for label, (wall, cpu) in best.items():
-        print(f"  {label:<26}{wall / episodes_ * 1e3:11.2f}{cpu / episodes_ * 1e3:8.2f}{wall / native:14.1f}")
+        print(f"  {label:<26}{wall / episodes_ * 1e3:11.2f}{cpu / episodes_ * 1e3:22.2f}{wall / native:14.1f}")
     print(f"  in-process / loopback HTTP: {best['verifiers in-process'][0] / best['verifiers loopback HTTP'][0]:.2f}")
+    print(f"  {args.processes} processes / in-process: {best[processes][0] / best['verifiers in-process'][0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -269,6 +269,7 @@ def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
             raise ServerFailed(f"{which}: {problem} (no report)") from None
         finally:
             pool.close()
+            env.close()
             engine.close()
     finally:
         if server is not None:

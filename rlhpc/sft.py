@@ -53,10 +53,14 @@ def main() -> None:
         env = env_mod.load(cfg.env)
         eval_tasks = heldout_tasks(env, cfg)
         engine = HFEngine(model, tok.pad_token_id)
-        before = evaluate(engine, env, tok, eval_tasks, cfg.env)
-        t0 = time.time()
-        losses = sft_train(model, tok, env, cfg, on_step=lambda s, l: s % 50 == 0 and log.info("sft step %d loss %.4f", s, l))
-        after = evaluate(engine, env, tok, eval_tasks, cfg.env)
+        try:
+            before = evaluate(engine, env, tok, eval_tasks, cfg.env)
+            t0 = time.time()
+            losses = sft_train(model, tok, env, cfg,
+                               on_step=lambda s, l: s % 50 == 0 and log.info("sft step %d loss %.4f", s, l))
+            after = evaluate(engine, env, tok, eval_tasks, cfg.env)
+        finally:
+            env.close()
         model.save_pretrained(run.model)
         tok.save_pretrained(run.model)
         out = {"heldout_reward_before": before, "heldout_reward_sft": after, "sft_steps": len(losses),

@@ -10,6 +10,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -136,14 +138,60 @@ def test_a_single_turn_episode_carries_verifiers_reward_and_the_engines_tokens(t
 def test_the_worker_endpoint_is_reached_in_process_with_the_answers_it_gives_over_http(tok):
     """verifiers' TrainClient reaches the worker's private token endpoint through an in-process transport by default:
     no request crosses its socket, and the episodes are the ones it gives over loopback HTTP
-    (`env.args.in_process_endpoint=false`)."""
+    (`env.args.in_process_endpoint=false`) and the ones processes of their own play (`env.args.episode_processes`)."""
     out = {}
-    for in_process in (True, False):
+    for mode, args in {"in-process": {}, "http": {"in_process_endpoint": False},
+                       "processes": {"episode_processes": 2}}.items():
         served = []
-        _, groups = run("vf_guess_feedback", ScriptedPolicy(tok), tok, served=served, in_process_endpoint=in_process)
-        out[in_process] = [(e.ids, e.mask, e.logprobs, e.reward, e.turns) for g in groups for e in g], served[0]
-    assert out[True][1] == 0 and out[False][1] >= 8  # 2 tasks x 2 episodes x 2 turns over the socket
-    assert out[True][0] == out[False][0] and all(turns == 2 for *_, turns in out[True][0])
+        _, groups = run("vf_guess_feedback", ScriptedPolicy(tok), tok, served=served, **args)
+        out[mode] = [(e.task.id, e.ids, e.mask, e.logprobs, e.reward, e.turns) for g in groups for e in g], served[0]
+    assert out["in-process"][1] == 0 and out["http"][1] >= 8 and out["processes"][1] >= 8  # 2 x 2 episodes x 2 turns
+    assert out["in-process"][0] == out["http"][0] == out["processes"][0]
+    assert all(turns == 2 for *_, turns in out["in-process"][0])
+
+
+class StallingPolicy(ScriptedPolicy):
+    """ScriptedPolicy whose first engine call stalls for `stall_s` (`unstalled` is set when it ends)."""
+
+    def __init__(self, tok, stall_s: float):
+        super().__init__(tok)
+        self.stall_s = stall_s
+        self.unstalled = threading.Event()
+
+    def generate(self, *args, **kwargs):
+        if self.stall_s:
+            stall, self.stall_s = self.stall_s, 0
+            time.sleep(stall)
+            self.unstalled.set()
+        return super().generate(*args, **kwargs)
+
+
+@pytest.mark.slow
+def test_episode_processes_past_their_time_fail_their_episodes_and_the_next_batch_plays(tok):
+    """With `env.args.episode_processes`, a process whose share of a batch runs past `episodes_timeout_s` is killed:
+    that share's episodes fail with the reason, the call returns, and the next batch plays on fresh processes."""
+    cfg = EnvConfig(name="verifiers", cls="rlhpc.env.verifiers_env:VerifiersEnvironment", pool_processes=0,
+                    max_new_tokens=12, args={"id": "vf_reverse_text", "eval_size": 4, "num_tasks": 8,
+                                             "episode_processes": 2, "episodes_timeout_s": 5})
+    env = load(cfg)
+    policy = StallingPolicy(tok, stall_s=10)
+    try:
+        tasks = list(env.tasks("eval", 0))[:3]
+        stalled = episodes(policy, env, EnvPool(cfg, processes=0, env=env), tok, tasks, 2, 1.0, cfg)
+        assert not policy.unstalled.is_set()  # the shares were given up on while the engine still stalled
+        errors = [e.error for g in stalled for e in g]
+        assert [len(g) for g in stalled] == [2, 2, 2], errors
+        assert all(e and "CallTimeout" in e and "env.args.episodes_timeout_s=5" in e for e in errors), errors
+        assert all(e.reward == 0.0 and e.task is t for g, t in zip(stalled, tasks) for e in g)
+        assert policy.unstalled.wait(30)
+        played = episodes(policy, env, EnvPool(cfg, processes=0, env=env), tok, tasks, 2, 1.0, cfg)
+        assert all(e.error is None and 0 < e.reward < 1 for g in played for e in g), [e.error for g in played[0]]
+        pids = [slot.proc.pid for slot in env._pool._slots]
+    finally:
+        env.close()
+    for pid in pids:  # closing the environment ended its processes
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 @pytest.mark.slow

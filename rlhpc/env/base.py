@@ -98,6 +98,14 @@ class Environment(ABC):
     def finish(self, task: Task, state: Dict[str, Any]) -> None:
         """Releases what the episode held (a work folder, a sandbox); called after `score`, also after a failure."""
 
+    def close(self) -> None:
+        """Releases what the environment holds across episodes (a server, processes); called once when the role that
+        loaded it ends."""
+
+    def warm(self) -> None:
+        """Called once in each pool process (rlhpc.env.pool) before it serves calls: loads what its calls need, so that
+        a call's time limit counts the call alone and a broken environment fails the pool's start."""
+
     def reference(self, task: Task) -> Union[str, List[Message]]:
         """A correct answer for the supervised warm start: the answer's text (single turn), or the messages that
         follow `messages(task)` in a correct episode (assistant turns, with tool calls written as the policy would

@@ -55,6 +55,7 @@ def _serve(cfg: EnvConfig, envs_dir: Optional[str], conn) -> None:
 
     try:
         env = load(cfg)
+        env.warm()
         conn.send(("ready", os.getpid()))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it with the env's name
         conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -127,7 +128,8 @@ class _Slot:
                         fut.set_exception(CallFailed(value))
                     continue
                 self.kill()
-                fut.set_exception(CallTimeout(f"{method} took longer than env.call_timeout_s={self.pool.timeout_s:g}s"))
+                limit = f"{self.pool.timeout_key}={self.pool.timeout_s:g}s"
+                fut.set_exception(CallTimeout(f"{method} took longer than {limit}"))
             except (EOFError, OSError, BrokenPipeError) as e:  # the process died under the call
                 self.kill()
                 fut.set_exception(CallFailed(f"{method}: the pool process died ({type(e).__name__})"))
@@ -138,8 +140,10 @@ class _Slot:
 
 class EnvPool:
     def __init__(self, cfg: EnvConfig, processes: Optional[int] = None, timeout_s: Optional[float] = None,
-                 env: Any = None):
+                 env: Any = None, timeout_key: str = "env.call_timeout_s"):
+        """`timeout_key`: the config key that sets `timeout_s`, named when a call runs past it."""
         self.cfg = cfg
+        self.timeout_key = timeout_key
         self.processes = cfg.pool_processes if processes is None else processes
         self.timeout_s = cfg.call_timeout_s if timeout_s is None else timeout_s
         self._calls: "queue.Queue[Optional[Tuple[Future, str, tuple]]]" = queue.Queue()

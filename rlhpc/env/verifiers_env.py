@@ -54,7 +54,8 @@ class VerifiersEnvironment(Environment):
                  harness: Optional[Dict[str, Any]] = None, runtime: Optional[Dict[str, Any]] = None,
                  agent: Optional[Dict[str, Any]] = None, env: Optional[Dict[str, Any]] = None, eval_size: int = 64,
                  max_concurrent: int = 256, renderer: Optional[Dict[str, Any]] = None, reference_field: str = "",
-                 in_process_endpoint: bool = True, **taskset_args: Any):
+                 in_process_endpoint: bool = True, episode_processes: int = 0, episodes_timeout_s: float = 3600.0,
+                 **taskset_args: Any):
         """`id`: the taskset package; `env_id`: a verifiers Env to pair with it ("": the package's own, else the
         single-agent env); `taskset` and any other keyword: the taskset's own config keys; `harness` (default
         {"id": "rlhpc_chat"}, verifiers' chat loop in-process), `runtime` (default {"type": "subprocess"}) and `agent`
@@ -62,7 +63,12 @@ class VerifiersEnvironment(Environment):
         tasks are the held-out set; `max_concurrent`: episodes in flight; `renderer`: a renderers config ("": chosen
         from the model); `reference_field`: the task data field holding a correct answer, for the SFT warm start
         ("": none); `in_process_endpoint`: reach the private token endpoint in-process (false: over loopback HTTP, as
-        verifiers does by default; 1.4x the cost per episode on a small model, benchmarks/verifiers_overhead.py)."""
+        verifiers does by default; 1.4x the cost per episode on a small model, benchmarks/verifiers_overhead.py);
+        `episode_processes`: processes that share each batch's episodes, each with its own event loop, reaching the
+        endpoint over loopback HTTP (0: the caller's event loop); `episodes_timeout_s`: the longest a process may take
+        for its share of a batch (then it is killed and replaced, and its episodes fail)."""
+        if episode_processes < 0:
+            raise ValueError(f"config key `env.args.episode_processes`: {episode_processes} is not a count >= 0")
         self.id = id
         self.name = f"verifiers:{id}"
         self.env_id = env_id
@@ -78,6 +84,10 @@ class VerifiersEnvironment(Environment):
         self.renderer = renderer
         self.reference_field = reference_field
         self.in_process_endpoint = in_process_endpoint
+        self.episode_processes = episode_processes
+        self.episodes_timeout_s = episodes_timeout_s
+        self._pool: Any = None  # the processes that run episodes (episode_processes > 0), started at first use
+        self._tokenizers: Dict[str, Any] = {}  # a pool process's tokenizers, by model folder
         self._env: Any = None  # the verifiers Env, built at first use
         self._tasks: Optional[List[Any]] = None
         self._server: Any = None  # a private server over the engine episodes run against
@@ -114,6 +124,11 @@ class VerifiersEnvironment(Environment):
                 raw[seat] = {**{k: v for k, v in agent.items() if k not in pinned}, **pinned, **raw.get(seat, {})}
             self._env = load_environment(resolve_env_config(raw))
         return self._env
+
+    def warm(self) -> None:
+        if self.episode_processes:  # a process that will play episodes (the worker's own pool plays none)
+            importlib.import_module("rlhpc.models")  # the tokenizer loader (transformers), for `play`
+            self.verifiers_env()
 
     def _all_tasks(self) -> List[Any]:
         if self._tasks is None:
@@ -157,9 +172,21 @@ class VerifiersEnvironment(Environment):
                      version: int = 0, greedy: bool = False) -> List[List[Episode]]:
         """`n` verifiers episodes of each task, against `engine`, as rlhpc episodes grouped by task (rollout.episodes
         calls this instead of rlhpc.env.episode.run_episodes)."""
+        endpoint = self._endpoint(engine, tokenizer)
+        if self.episode_processes:
+            return self._run_in_processes(endpoint, tokenizer, tasks, n, temperature, env_cfg, version, greedy)
+        return self.play(endpoint, tasks, n, temperature, env_cfg, version, greedy, tokenizer)
+
+    def play(self, endpoint: tuple, tasks: Sequence[Task], n: int, temperature: float, env_cfg, version: int,
+             greedy: bool, tokenizer: Any = None) -> List[List[Episode]]:
+        """The episodes of `tasks` against the token endpoint (URL, token, model id, model folder), on this process's
+        event loop. A pool process (episode_processes) runs its share of a batch here, with the tokenizer of the model
+        folder."""
         import verifiers.v1 as vf
 
-        url, token, model, model_dir = self._endpoint(engine, tokenizer)
+        url, token, model, model_dir = endpoint
+        if tokenizer is None:
+            tokenizer = self._tokenizer(model_dir)
         os.environ[TOKEN_VAR] = token or "EMPTY"
         client = vf.TrainClientConfig(base_url=url + "/v1", api_key_var=TOKEN_VAR, renderer_model_name=model_dir,
                                       renderer=self._renderer_config(tokenizer))
@@ -181,6 +208,43 @@ class VerifiersEnvironment(Environment):
         return [[e for _ in range(n) for e in self.to_episodes(task, next(finished), version, tokenizer,
                                                                env_cfg.error_reward)]
                 for task in tasks]
+
+    def _run_in_processes(self, endpoint: tuple, tokenizer, tasks: Sequence[Task], n: int, temperature: float,
+                          env_cfg, version: int, greedy: bool) -> List[List[Episode]]:
+        """The batch's tasks dealt round-robin to the pool's processes (a task's n episodes stay together: one group's
+        episodes share a process), each playing its share on its own event loop, over HTTP. A share whose process
+        fails or runs past `episodes_timeout_s` fails its episodes (error_reward, env/errors), the batch goes on."""
+        from rlhpc.env.pool import EnvPool
+
+        if self._pool is None:
+            if self.config is None:
+                raise ValueError("env.args.episode_processes needs an environment built by rlhpc.env.load")
+            self._pool = EnvPool(self.config, processes=self.episode_processes, timeout_s=self.episodes_timeout_s,
+                                 timeout_key="env.args.episodes_timeout_s")
+        shares = [list(range(i, len(tasks), self.episode_processes)) for i in range(self.episode_processes)]
+        futures = [(share, self._pool.submit("play", endpoint, [tasks[i] for i in share], n,
+                                             temperature, env_cfg, version, greedy))
+                   for share in shares if share]
+        out: List[Optional[List[Episode]]] = [None] * len(tasks)
+        for share, fut in futures:
+            try:
+                played = fut.result(timeout=self.episodes_timeout_s + 60)  # the pool kills a share past its limit
+            except Exception as e:  # noqa: BLE001 - the share's episodes fail; the batch goes on
+                log.warning("verifiers episodes of %d tasks failed in a pool process: %s", len(share), e)
+                played = [[self._failed(tasks[i], tokenizer, f"{type(e).__name__}: {e}", env_cfg.error_reward,
+                                        version) for _ in range(n)] for i in share]
+            for i, group in zip(share, played):
+                for e in group:
+                    e.task = tasks[i]  # the caller's own Task (the pool's is a copy)
+                out[i] = group
+        return out  # type: ignore[return-value]
+
+    def _tokenizer(self, model_dir: str) -> Any:
+        if model_dir not in self._tokenizers:
+            from rlhpc.models import load_tokenizer
+
+            self._tokenizers[model_dir] = load_tokenizer(model_dir)
+        return self._tokenizers[model_dir]
 
     def to_episodes(self, task: Task, episode: Any, version: int, tokenizer, error_reward: float = 0.0) -> List[Episode]:
         """The rlhpc episodes (training samples) of one verifiers episode: one per trainable branch of each trainable
@@ -206,14 +270,20 @@ class VerifiersEnvironment(Environment):
                     e.counts["split_samples"] = 1
                 out.append(e)
         if not out:  # nothing trainable came back: a sample of the prompt alone, failed with the episode's error
-            from rlhpc.env.episode import Renderer
-
             last = episode.last_error or next((t.last_error for t in episode.traces if t.last_error), None)
-            prompt = Renderer(tokenizer).prompt(self.messages(task))
-            out.append(Episode(task, prompt, len(prompt), self.messages(task), done=True, reward=error_reward, error=(
-                f"{last.type}: {last.message}" if last is not None else "the verifiers episode produced no sample"),
-                timed_out=episode.is_timeout, min_version=version, max_version=version))
+            failed = self._failed(task, tokenizer, f"{last.type}: {last.message}" if last is not None else
+                                  "the verifiers episode produced no sample", error_reward, version)
+            failed.timed_out = episode.is_timeout
+            out.append(failed)
         return out
+
+    def _failed(self, task: Task, tokenizer, error: str, error_reward: float, version: int) -> Episode:
+        """A failed sample of the prompt alone."""
+        from rlhpc.env.episode import Renderer
+
+        prompt = Renderer(tokenizer).prompt(self.messages(task))
+        return Episode(task, prompt, len(prompt), self.messages(task), done=True, reward=error_reward, error=error,
+                       min_version=version, max_version=version)
 
     def _endpoint(self, engine, tokenizer) -> tuple:
         """(URL, token, model id, model folder) of a token endpoint over `engine`."""
@@ -227,10 +297,10 @@ class VerifiersEnvironment(Environment):
             from rlhpc.infer.server import Server, context_length, vocab_size
             from rlhpc.models import load_tokenizer
 
-            self.close()  # one private server, over the engine in use (the trainer's warm-start engine is let go)
+            self._close_server()  # one private server, over the engine in use (the trainer's warm start's is let go)
             server = self._server = Server(engine, load_tokenizer(model_dir), model_dir, context_length(model_dir),
                                            secrets.token_hex(16), vocab_size=vocab_size(model_dir)).start()
-            if self.in_process_endpoint:
+            if self.in_process_endpoint and not self.episode_processes:
                 _in_process_transport()
                 _IN_PROCESS[server.url] = server.app
         return server.url, server.token, server.model, model_dir
@@ -253,6 +323,12 @@ class VerifiersEnvironment(Environment):
         return None
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        self._close_server()
+
+    def _close_server(self) -> None:
         if self._server is not None:
             _IN_PROCESS.pop(self._server.url, None)
             self._server.close()

@@ -61,7 +61,7 @@ def _run_worker(cfg: Config, ident: Identity, run: RunDir) -> None:
 def _run_engine(cfg: Config, ident: Identity, run: RunDir, engine, tokenizer) -> None:
     """Runs the worker's loop on `engine`, and closes the engine (its processes, with vLLM) however the loop ends,
     also when the environment cannot be loaded or its pool cannot start."""
-    pool = server = None
+    pool = server = env = None
     try:
         env = env_mod.load(cfg.env)
         pool = EnvPool(cfg.env)  # rewards, tools and replies run here, beside generation
@@ -76,6 +76,8 @@ def _run_engine(cfg: Config, ident: Identity, run: RunDir, engine, tokenizer) ->
             server.close()
         if pool is not None:
             pool.close()
+        if env is not None:
+            env.close()
         engine.close()
 
 

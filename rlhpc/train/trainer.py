@@ -46,7 +46,11 @@ log = logging.getLogger(__name__)
 
 
 def run_trainer(cfg: Config, ident: Identity, run: RunDir) -> str:
-    return Trainer(cfg, ident, run).train()
+    trainer = Trainer(cfg, ident, run)
+    try:
+        return trainer.train()
+    finally:
+        trainer.env.close()
 
 
 class Trainer:

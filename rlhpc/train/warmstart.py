@@ -110,7 +110,9 @@ def warm_start(cfg: Config, run: RunDir, env: Environment, metrics: Metrics, ran
     tok.save_pretrained(run.model)
     write_result(run, 0, out["heldout_reward_sft"], len(tasks))
     shutil.rmtree(run.sft_state, ignore_errors=True)  # READY, written next, supersedes it
-    # RL builds its own (possibly sharded) model: this whole copy and its evaluation engine go now, not at exit.
+    # RL builds its own (possibly sharded) model: this whole copy and its evaluation engine go now, not at exit, with
+    # what the environment held for these evaluations (a verifiers endpoint over this engine, its episode processes).
+    env.close()
     del engine, model
     gc.collect()
     if torch.cuda.is_available():
