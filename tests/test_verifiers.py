@@ -185,7 +185,7 @@ def test_episode_processes_past_their_time_fail_their_episodes_and_the_next_batc
         assert all(e.reward == 0.0 and e.task is t for g, t in zip(stalled, tasks) for e in g)
         assert policy.unstalled.wait(30)
         played = episodes(policy, env, EnvPool(cfg, processes=0, env=env), tok, tasks, 2, 1.0, cfg)
-        assert all(e.error is None and 0 < e.reward < 1 for g in played for e in g), [e.error for g in played[0]]
+        assert all(e.error is None and 0 < e.reward < 1 for g in played for e in g), [e.error for e in played[0]]
         pids = [slot.proc.pid for slot in env._pool._slots]
     finally:
         env.close()
