@@ -169,10 +169,11 @@ class StallingPolicy(ScriptedPolicy):
 @pytest.mark.slow
 def test_episode_processes_past_their_time_fail_their_episodes_and_the_next_batch_plays(tok):
     """With `env.args.episode_processes`, a process whose share of a batch runs past `episodes_timeout_s` is killed:
-    that share's episodes fail with the reason, the call returns, and the next batch plays on fresh processes."""
+    that share's episodes fail with the reason, the call returns, and the next batch plays on a fresh process (one
+    process here: each start costs seconds; the test above plays in two)."""
     cfg = EnvConfig(name="verifiers", cls="rlhpc.env.verifiers_env:VerifiersEnvironment", pool_processes=0,
                     max_new_tokens=12, args={"id": "vf_reverse_text", "eval_size": 4, "num_tasks": 8,
-                                             "episode_processes": 2, "episodes_timeout_s": 5})
+                                             "episode_processes": 1, "episodes_timeout_s": 5})
     env = load(cfg)
     policy = StallingPolicy(tok, stall_s=10)
     try:
