@@ -29,8 +29,8 @@ def launch(run_dir, *overrides, timeout=240, env=None, **kw):
     )
 
 
-def alarming_logs(run_dir) -> dict:
-    """The role logs of `run_dir` that show a torch warning or a traceback (what reads as a crash), with their ends."""
+def alarming_logs(run_dir) -> str:
+    """What the role logs of `run_dir` show of a torch warning or a traceback (what reads as a crash), around it."""
     return alarms({p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")})
 
 
@@ -283,7 +283,8 @@ def test_a_run_stopped_by_sigterm_resumes_from_its_checkpoint_and_trains_each_gr
     assert summary["resumed_at"] == [stopped_at] and summary["rl_steps"] == steps
     assert_each_step_and_group_once(ledger, steps)
     # Neither the stop nor the end: the trainer's store outlives the workers' use of it, in both launches.
-    assert not alarming_logs(run_dir)
+    found = alarming_logs(run_dir)
+    assert not found, found
 
 
 def stop_after(args, run_dir, lines: int):

@@ -36,7 +36,8 @@ def test_the_quick_start_learns_and_rl_raises_held_out_reward(tmp_path, engine):
     # What the user sees at the end: the table on the terminal, logs per role, TensorBoard per role, the HF export.
     assert "held-out reward after RL" in proc.stdout
     assert {p.name for p in (run_dir / "logs").glob("*.log")} == {"trainer-0.log", "inference-0.log", "inference-1.log"}
-    assert not alarming_logs(run_dir)  # a run that went well reads so: no torch warning, no traceback
+    found = alarming_logs(run_dir)
+    assert not found, found  # a run that went well reads so: no torch warning, no traceback
     assert {p.name for p in (run_dir / "tb").iterdir()} == {"trainer-0", "inference-0", "inference-1"}
     assert (run_dir / "checkpoints" / "final" / "model.safetensors").exists()
     rows = [json.loads(x) for x in (run_dir / "logs" / "trainer-0.metrics.jsonl").read_text().splitlines()]

@@ -215,5 +215,6 @@ def test_a_receiver_waiting_for_its_next_update_closes_at_once(tmp_path):
     time.sleep(0.5)  # the receiver is waiting for the trainer's next message
     t0 = time.monotonic()
     recv.close()
-    assert time.monotonic() - t0 < 0.9 and recv.closed()
+    # Not the group's 60 s timeout nor the bell's hour: the close wakes the receiver's thread, which leaves at once.
+    assert time.monotonic() - t0 < 5 and recv.closed()
     holder["sender"].close()

@@ -2,6 +2,7 @@
 a restarted member (same rank) or an attached one (a new rank, any launch attempt) joins at the next update, while
 the trainer's publish never waits longer than one call for answers."""
 
+import logging
 import os
 import signal
 import sys
@@ -144,6 +145,45 @@ def test_the_group_goes_on_without_a_dead_member_and_admits_restarted_and_attach
     for p in procs.values():
         p.join(timeout=30)
         assert p.exitcode == 0 or p.exitcode == -signal.SIGKILL
+
+
+def _leaving_follower(run_root, member, out):
+    """A member whose worker ends after its first update (a stop, the end of its work): it closes its receiver."""
+    try:
+        recv = BroadcastReceiver(RunDir(run_root), member, timeout_s=60, attempt="t")
+        while recv.poll() is None:
+            recv.wait(0.05)
+        recv.close()
+        out.put(("left", member))
+    except BaseException as e:  # noqa: BLE001
+        out.put(("error", member, f"{type(e).__name__}: {e}", traceback.format_exc()))
+
+
+def test_a_member_whose_worker_ends_is_no_fault_and_not_waited_for(tmp_path, caplog):
+    """A worker that ends (a stop reaches the workers before the trainer, or it ran out of work) leaves the group
+    between two updates: the send that fails on its closed connections reads as its leaving, not as a failure (gloo's
+    'Connection reset by peer' is not logged), and the next epoch forms of the others without waiting for it."""
+    run = RunDir(tmp_path).make()
+    out = Reports()
+    stays = start(str(tmp_path), 1, out)
+    leaves = CTX.Process(target=_leaving_follower, args=(str(tmp_path), 2, out.new_queue()), daemon=True)
+    leaves.start()
+    sender = BroadcastSender(run, num_receivers=2, bucket_mb=1, timeout_s=60, attempt="t", member_timeout_s=20)
+    with caplog.at_level(logging.INFO, logger="rlhpc.transport.weights"):
+        published(sender, 1)
+        reported(out, ("left", 2))
+        leaves.join(timeout=30)
+        took = [published(sender, v) for v in (2, 3, 4)]
+        print(f"after a member left: updates {', '.join(f'{t:.2f}' for t in took)} s")
+        assert sender.members == [1]
+        reported(out, ("got", 1, 4))
+        sender.close()
+    reported(out, ("closed", 1))
+    stays.join(timeout=30)
+    assert stays.exitcode == 0 and leaves.exitcode == 0
+    records = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "rlhpc.transport.weights"]
+    assert not [r for r in records if r[0] != "INFO"], records
+    assert any("members [2] left while version" in m for _, m in records), records
 
 
 def test_a_member_that_stalls_costs_the_member_timeout_once(tmp_path):
@@ -385,18 +425,28 @@ def ended_run_logs(tmp_path, silent_s, busy_s=0.0):
     return {log.name: log.read_text() for log in logs}
 
 
-def alarms(logs):
-    """Of `logs` (name: text), those that show one of ALARMS, with their ends."""
-    return {name: text[-3000:] for name, text in logs.items() if any(a in text for a in ALARMS)}
+def alarms(logs) -> str:
+    """What of `logs` (name: text) shows one of ALARMS: each such line with the lines around it, under its log's name
+    ('' if none), for a failing assertion to print whole."""
+    found = []
+    for name, text in logs.items():
+        lines = text.splitlines()
+        hits = [i for i, line in enumerate(lines) if any(a in line for a in ALARMS)]
+        if hits:
+            shown = sorted({j for i in hits[:5] for j in range(max(0, i - 3), min(len(lines), i + 12))})
+            found.append(f"==== {name} ({len(hits)} alarming line(s))\n" + "\n".join(lines[j] for j in shown))
+    return "\n".join(found)
 
 
 @pytest.mark.slow  # 40 s of silence
 def test_members_waiting_through_a_long_step_log_nothing(tmp_path):
     """A trainer that says nothing for 40 s (a long step, a checkpoint, the final evaluation) is no timeout."""
-    assert not alarms(ended_run_logs(tmp_path, silent_s=40))
+    found = alarms(ended_run_logs(tmp_path, silent_s=40))
+    assert not found, found
 
 
 def test_the_end_of_a_run_leaves_nothing_alarming_in_the_logs_of_members_busy_meanwhile(tmp_path):
     """The trainer's process ends right after the close while its members are busy generating (for 3 s): they leave
     the group and its store before the store goes, so no log shows a closed connection."""
-    assert not alarms(ended_run_logs(tmp_path, silent_s=0, busy_s=3.0))
+    found = alarms(ended_run_logs(tmp_path, silent_s=0, busy_s=3.0))
+    assert not found, found

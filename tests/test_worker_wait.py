@@ -41,11 +41,11 @@ def test_a_waiting_worker_backs_off_and_stops_after_its_own_idle_timeout(tmp_pat
         worker._loop(cfg, Identity("inference", 0, 1, tmp_path, "t"), run, IdleEngine(), env_mod.load(cfg.env),
                      None, None)
     elapsed = time.monotonic() - t0
-    assert 2.0 <= elapsed < 4.0
+    assert 2.0 <= elapsed < 5.0  # its own timeout, not weights.timeout_s (a loaded machine adds a look or two)
     # 10, 20, 40, 80, 160 ms, then every 250 ms: about a dozen looks in 2 s (the 10 ms poll took 200).
     assert len(looks) <= 6 + 2.0 / 0.25 + 2, len(looks)
     gaps = [b - a for a, b in zip(looks, looks[1:])]
-    assert max(gaps) < 0.25 + 0.1
+    assert max(gaps) < 0.25 + 0.2, gaps  # at most poll_max_s apart, with room for a loaded machine
 
 
 class ClosedEngine:

@@ -310,7 +310,8 @@ class BroadcastSender(WeightsSender):
             ok = secrets.compare_digest(presented.encode(), self.token.encode())
             verdict = "taken" if ok and member in forming else "ok" if ok else "refused"
             if verdict == "ok":
-                self.store.delete_key(f"bye/{member}")  # left by an earlier life of this member (it stopped)
+                for key in (f"bye/{member}", f"leaving/{member}"):  # left by an earlier life of this member
+                    self.store.delete_key(key)
                 self.store.set(f"start/{member}/{nonce}", str(start))
                 admitted.append(member)
                 if member in self.members:  # a restarted worker: its earlier life is gone
@@ -346,8 +347,10 @@ class BroadcastSender(WeightsSender):
         return n
 
     def _call(self, expected: set) -> None:
-        """Forms a new epoch of the members in `expected` that answer (and of candidates admitted meanwhile)."""
+        """Forms a new epoch of the members in `expected` that answer (and of candidates admitted meanwhile); members
+        that left (their worker ended) are not waited for."""
         self._drop_group()
+        expected = {m for m in expected if not self.store.check([f"leaving/{m}"])}
         self.epoch += 1
         e = self.epoch
         n = self._say({"kind": "call", "epoch": e})
@@ -481,8 +484,15 @@ class BroadcastSender(WeightsSender):
 
     def _failed(self, e: BaseException, version: int = -1) -> None:
         if not self.broken:
-            log.warning("weights group epoch %d failed sending version %d (%s); the next update forms a new one",
-                        self.epoch, version, str(e).splitlines()[0][:200])
+            # A member whose worker ended (a stop, the end of its work) says so before its connections close: the send
+            # that fails on them is no fault.
+            left = [m for m in self.members if self.store.check([f"leaving/{m}"])]
+            if left:
+                log.info("weights group epoch %d: members %s left while version %d was sent (their workers ended); "
+                         "the next update goes to the others", self.epoch, left, version)
+            else:
+                log.warning("weights group epoch %d failed sending version %d (%s); the next update forms a new one",
+                            self.epoch, version, str(e).splitlines()[0][:200])
         self.broken = True
 
     def close(self) -> None:
@@ -625,7 +635,10 @@ class BroadcastReceiver(WeightsReceiver):
             self._arrived.set()
 
     def _leave(self) -> None:
-        """Drops the group and tells the trainer that this member is done with its store (the close, or `close`)."""
+        """Drops the group and tells the trainer that this member is done with its store (the close, or `close`). The
+        trainer learns first that it leaves: a send failing on its closed connections is then no fault, and the next
+        call does not wait for it."""
+        self.store.set(f"leaving/{self.member}", "1")
         self._drop_group()
         with self._leaving:
             self.store.set(f"bye/{self.member}", "1")
@@ -651,6 +664,9 @@ class BroadcastReceiver(WeightsReceiver):
         self.group_epoch = epoch
 
     def _drop_group(self) -> None:
+        if self.group is None:  # nothing to close (a full collection costs up to a second in a large process)
+            self.group_epoch = -1
+            return
         self.group, self.group_epoch = None, -1  # closes its connections (see BroadcastSender._drop_group)
         gc.collect()
 
@@ -774,4 +790,5 @@ class BroadcastReceiver(WeightsReceiver):
                     self._waker.set(f"bell/{self.member}/{self.cursor}", "stop")
                 except Exception:  # noqa: BLE001 - the trainer's store is gone: the thread already stopped on that
                     pass
-        self._thread.join(timeout=1.0)
+        self._thread.join(timeout=5.0)  # it leaves at once (a collection after a group: up to a second in a large
+        # process); one blocked on a store that stopped answering is not waited for
