@@ -287,14 +287,15 @@ def test_a_run_stopped_by_sigterm_resumes_from_its_checkpoint_and_trains_each_gr
     assert not found, found
 
 
-def stop_after(args, run_dir, lines: int):
-    """Starts the launch `args`, and once its ledger has `lines` steps, stops it with SIGTERM (the trainer checkpoints);
-    returns the ledger's path and the launcher's stderr."""
+def stop_after(args, run_dir, lines: int, ready=lambda: True):
+    """Starts the launch `args`, and once its ledger has `lines` steps and `ready()` holds, stops it with SIGTERM (the
+    trainer checkpoints); returns the ledger's path and the launcher's stderr."""
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ledger = run_dir / "queue" / "ledger.jsonl"
     deadline = time.time() + 180
-    while time.time() < deadline and (not ledger.exists() or len(ledger.read_text().splitlines()) < lines):
-        time.sleep(0.1)
+    while time.time() < deadline and p.poll() is None and \
+            (not ledger.exists() or len(ledger.read_text().splitlines()) < lines or not ready()):
+        time.sleep(0.02)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 143, err[-2000:]
@@ -317,11 +318,19 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one
     steps = 40
     args = [sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", f"trainer.steps={steps}",
             "trainer.checkpoint_interval=2", "eval.interval=1"]
-    # The purge below is tested only if worker 0 evaluated a version past the older checkpoint before the stop; when
-    # its evaluations lag behind the trainer (a loaded machine), the first attempt is made again, from scratch.
+    # The purge below is tested only if worker 0 evaluated a version past the older checkpoint before the stop: the
+    # stop waits until it has evaluated one past the newest periodic checkpoint. Should a periodic checkpoint land
+    # between that look and the stop (a loaded machine), the attempt is made again, from scratch.
+    def evaluated_past_the_checkpoint() -> bool:
+        latest, curve = run_dir / "checkpoints" / "latest.json", read_curve(RunDir(run_dir))
+        try:
+            return bool(curve) and curve[-1][0] > json.loads(latest.read_text())["step"]
+        except (OSError, ValueError, KeyError):  # no checkpoint yet, or one being replaced
+            return False
+
     for _ in range(3):
         shutil.rmtree(run_dir, ignore_errors=True)
-        ledger, _ = stop_after(args, run_dir, 5)
+        ledger, _ = stop_after(args, run_dir, 5, ready=evaluated_past_the_checkpoint)
         first_curve = read_curve(RunDir(run_dir))
         newest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
         kept = sorted(d.name for d in (run_dir / "checkpoints").glob("step_*"))

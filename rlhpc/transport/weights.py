@@ -638,8 +638,10 @@ class BroadcastReceiver(WeightsReceiver):
         """Drops the group and tells the trainer that this member is done with its store (the close, or `close`). The
         trainer learns first that it leaves: a send failing on its closed connections is then no fault, and the next
         call does not wait for it."""
-        self.store.set(f"leaving/{self.member}", "1")
-        self._drop_group()
+        try:
+            self.store.set(f"leaving/{self.member}", "1")
+        finally:  # the store gone too (the trainer died): the group is dropped all the same
+            self._drop_group()
         with self._leaving:
             self.store.set(f"bye/{self.member}", "1")
             self._left = True
