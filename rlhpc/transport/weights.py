@@ -666,9 +666,6 @@ class BroadcastReceiver(WeightsReceiver):
         self.group_epoch = epoch
 
     def _drop_group(self) -> None:
-        if self.group is None:  # nothing to close (a full collection costs up to a second in a large process)
-            self.group_epoch = -1
-            return
         self.group, self.group_epoch = None, -1  # closes its connections (see BroadcastSender._drop_group)
         gc.collect()
 
@@ -792,5 +789,5 @@ class BroadcastReceiver(WeightsReceiver):
                     self._waker.set(f"bell/{self.member}/{self.cursor}", "stop")
                 except Exception:  # noqa: BLE001 - the trainer's store is gone: the thread already stopped on that
                     pass
-        self._thread.join(timeout=5.0)  # it leaves at once (a collection after a group: up to a second in a large
-        # process); one blocked on a store that stopped answering is not waited for
+        self._thread.join(timeout=5.0)  # it leaves at once (its collection takes up to a second in a large process);
+        # one blocked on a store that stopped answering is not waited for
