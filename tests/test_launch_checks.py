@@ -352,8 +352,16 @@ def test_a_cluster_python_the_jobs_tasks_could_not_run_is_refused_at_launch_not_
         assert not (tmp_path / "run").exists()
     dry = write_job(tmp_path, f"cluster.python={missing}", "dry_run=true", f"run_dir={tmp_path / 'run'}")
     assert dry.returncode == 0 and f"  note: config key `cluster.python`: {missing} does not exist" in dry.stdout
-    same = tmp_path / "python"  # another name of this Python, which has rlhpc: the job is written
-    same.symlink_to(sys.executable)
+    # Another name of this Python, which has rlhpc: the job is written. A venv's interpreter finds its packages through
+    # the pyvenv.cfg one folder above the name it was started by: the other name goes through a link to the whole
+    # environment, as a cluster's shared software folder often does.
+    exe = Path(sys.executable)
+    if exe.is_relative_to(sys.prefix):
+        (tmp_path / "env").symlink_to(sys.prefix, target_is_directory=True)
+        same = tmp_path / "env" / exe.relative_to(sys.prefix)
+    else:
+        same = tmp_path / "python"
+        same.symlink_to(exe)
     proc = write_job(tmp_path, f"cluster.python={same}", f"run_dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr
     assert f"export RLHPC_PYTHON={same}\n" in (tmp_path / "run" / "job.sbatch").read_text()

@@ -11,8 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
+
+httpx = pytest.importorskip("httpx", reason="needs the serve extra: pip install -e '.[serve]'")
 
 from rlhpc.infer.server import VERSION_HEADER, endpoint
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
+
+httpx = pytest.importorskip("httpx", reason="needs the serve extra: pip install -e '.[serve]'")
 import torch
 
 from rlhpc import models

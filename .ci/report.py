@@ -1,0 +1,35 @@
+"""The test budget at the end of CI: totals per phase, outcomes, and the 15 slowest tests of the whole run.
+
+    python .ci/report.py NAME=RECORD.jsonl [NAME=RECORD.jsonl ...]
+
+Each RECORD is what tests/conftest.py appends under RLHPC_TEST_RECORD: one JSON line per test with its id, outcome and
+seconds (setup, call and teardown together). docs/testing.md explains the tiers these numbers belong to.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+
+def main(args):
+    rows = []
+    print("== test budget")
+    for arg in args:
+        name, _, path = arg.partition("=")
+        phase = [json.loads(x) for x in Path(path).read_text().splitlines()] if Path(path).exists() else []
+        outcomes = {}
+        for r in phase:
+            outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+        seconds = sum(r["seconds"] for r in phase)
+        counts = ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())) or "no test"
+        print(f"{name:>12}: {seconds:7.0f} s of tests ({seconds / 60:4.1f} min), {counts}")
+        rows += [dict(r, phase=name) for r in phase]
+    total = sum(r["seconds"] for r in rows)
+    print(f"{'total':>12}: {total:7.0f} s of tests ({total / 60:4.1f} min), {len(rows)} tests")
+    print("the 15 slowest:")
+    for r in sorted(rows, key=lambda r: -r["seconds"])[:15]:
+        print(f"  {r['seconds']:7.1f} s  {r['phase']:<8} {r['outcome']:<7} {r['id']}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
