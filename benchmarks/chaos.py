@@ -2,7 +2,7 @@
 reward next to an undisturbed run of the same seed.
 
     python benchmarks/chaos.py                       # one undisturbed and one disturbed run (~5 min on 2 cores)
-    python benchmarks/chaos.py --repeats 3           # the spread of both, as docs/fault-tolerance.md reports it
+    python benchmarks/chaos.py --repeats 3           # the spread of both, as docs/changelog.md reports it
     python benchmarks/chaos.py --model runs/x/model  # start RL from this SFT model instead of training one
 
 The faults are those of tests/test_chaos.py (rlhpc/cluster/chaos.py): three `kill -9` of inference workers, one of the

@@ -15,6 +15,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -124,9 +125,9 @@ def weights_problem(folder: Path, safetensors_only: bool = True) -> str | None:
     return None
 
 
-def context_tokens(cfg: Config) -> int | None:
-    """Tokens a sequence of the model may hold: its max_position_embeddings (model.path's config.json, or the model
-    built in code), within vLLM's `inference.max_model_len`; None when model.path's config does not say."""
+def model_context(cfg: Config) -> int | None:
+    """Tokens a sequence of the model itself may hold: its max_position_embeddings (model.path's config.json, or the
+    model built in code); None when model.path's config does not say."""
     if cfg.model.path:
         try:
             hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
@@ -135,22 +136,76 @@ def context_tokens(cfg: Config) -> int | None:
         limit = hf.get("max_position_embeddings") or (hf.get("text_config") or {}).get("max_position_embeddings")
     else:
         limit = cfg.model.max_position_embeddings
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def context_tokens(cfg: Config) -> int | None:
+    """Tokens a sequence may hold: the model's context (`model_context`), within vLLM's `inference.max_model_len`;
+    None when model.path's config does not say."""
+    limit = model_context(cfg)
     if limit and cfg.inference.engine == "vllm" and cfg.inference.max_model_len:
         limit = min(limit, cfg.inference.max_model_len)
-    return limit if isinstance(limit, int) and limit > 0 else None
+    return limit
 
 
 def check_context(cfg: Config) -> None:
     """A turn's completion fits in the model's context with room for a prompt: otherwise every episode is cut short
     and the run trains on nothing (a run of `env=math`, 512 new tokens, on the 256-token model built in code scored
-    0 throughout, with only a transformers warning in the workers' logs)."""
+    0 throughout, with only a transformers warning in the workers' logs). The refusal names the overrides that fit
+    where the context is a setting (`longer_context`)."""
     limit = context_tokens(cfg)
     if limit is not None and cfg.env.max_new_tokens >= limit:
-        where = (f"the context of model.path's config ({limit} tokens" if cfg.model.path
-                 else f"model.max_position_embeddings ({limit}")
-        where += ", within inference.max_model_len)" if cfg.inference.engine == "vllm" else ")"
+        own = model_context(cfg)
+        where = (f"the context of model.path's config ({own} tokens)" if cfg.model.path
+                 else f"model.max_position_embeddings ({own})")
+        if own != limit:
+            where += f" within inference.max_model_len ({limit})"
         raise ConfigError(f"config key `env.max_new_tokens`: {cfg.env.max_new_tokens} new tokens leave no room for a "
-                          f"prompt in {where}; lower env.max_new_tokens or use a model with a longer context")
+                          f"prompt in {where}; {longer_context(cfg)}")
+
+
+def longer_context(cfg: Config) -> str:
+    """What to change when a turn does not fit: the context of the model built in code (`model.max_position_embeddings`)
+    and vLLM's `inference.max_model_len` are settings, so they are named with a value that holds the episode (the
+    smallest power of two at least `episode_tokens`); a checkpoint's context is its own."""
+    need, holds = episode_tokens(cfg)
+    fits = 1 << (need - 1).bit_length()
+    own = model_context(cfg) or 0
+    overrides = []
+    if own < fits:
+        if cfg.model.path:
+            return "lower env.max_new_tokens or use a model with a longer context"
+        overrides.append(f"model.max_position_embeddings={fits}")
+    if cfg.inference.engine == "vllm" and 0 < cfg.inference.max_model_len < fits:
+        overrides.append(f"inference.max_model_len={fits}")
+    return f"set {' '.join(overrides)} (a power of two that holds {holds}) or lower env.max_new_tokens"
+
+
+def episode_tokens(cfg: Config) -> Tuple[int, str]:
+    """Tokens an episode needs in the context, and what they are in words: `env.max_episode_tokens` when set (the
+    budget of a whole episode); otherwise every turn's `env.max_new_tokens` and at least one token more for the
+    prompt."""
+    env = cfg.env
+    if env.max_episode_tokens:
+        return max(env.max_episode_tokens, env.max_new_tokens + 1), f"env.max_episode_tokens={env.max_episode_tokens}"
+    turns = env.max_turns or environment_turns(cfg)
+    said = f"{turns} turns of {env.max_new_tokens} new tokens" if turns > 1 else f"{env.max_new_tokens} new tokens"
+    return turns * env.max_new_tokens + 1, f"a prompt and {said}"
+
+
+def environment_turns(cfg: Config) -> int:
+    """The environment's own policy turns per episode (`env.max_turns` 0); 1 when it cannot be loaded here (check_env
+    names why)."""
+    from rlhpc.env.base import load, max_turns
+
+    try:
+        environment = load(cfg.env)
+    except Exception:  # noqa: BLE001 - only a refusal's suggestion depends on it
+        return 1
+    try:
+        return max(max_turns(environment, cfg.env), 1)
+    finally:
+        environment.close()
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -222,10 +277,19 @@ def composition_error(overrides: List[str], typed: Callable[[Any], Any] = config
             typed(compose(config_name="config",
                           overrides=[o for o in overrides if not o.startswith(("hydra.", "hydra/"))]))
     except Exception as e:  # noqa: BLE001 - any composition error becomes its one-line report
-        return config_key_error(e)
+        return config_key_error(e, dry_run=_asks_dry_run(overrides))
     finally:
         GlobalHydra.instance().clear()
     return None
+
+
+def _asks_dry_run(overrides: List[str]) -> bool:
+    """Whether the command line sets dry_run to true (`dry_run=true`, `++dry_run=True`, ...)."""
+    for o in overrides:
+        key, _, value = o.lstrip("+").partition("=")
+        if key == "dry_run" and value.strip().lower() in ("true", "yes", "on", "1"):
+            return True
+    return False
 
 
 def exit_on_composition_error(overrides: List[str], typed: Callable[[Any], Any] = config_mod.to_typed) -> None:
@@ -237,8 +301,9 @@ def exit_on_composition_error(overrides: List[str], typed: Callable[[Any], Any] 
         sys.exit(2)
 
 
-def config_key_error(e: BaseException) -> str:
-    """`config key `a.b`: what is wrong`, from an OmegaConf error anywhere in the chain of `e` (Hydra wraps them)."""
+def config_key_error(e: BaseException, dry_run: bool = False) -> str:
+    """`config key `a.b`: what is wrong`, from an OmegaConf error anywhere in the chain of `e` (Hydra wraps them).
+    `dry_run`: the command line asks for a plan only (said where it changes the fix)."""
     from hydra.errors import MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -257,12 +322,32 @@ def config_key_error(e: BaseException) -> str:
             # The message without OmegaConf's trailer (full_key, reference_type, object_type lines).
             lines = [ln.strip() for ln in str(getattr(err, "msg", None) or err).splitlines()]
             msg = "; ".join(ln for ln in lines if ln and not ln.startswith(("full_key:", "reference_type", "object_type")))
+            unset = re.search(r"Environment variable '([^']+)' not found", msg)
+            if unset:  # a preset's `${oc.env:VAR}` (conf/model/*.yaml: model.path) with VAR not set
+                return unset_variable(key, unset.group(1), dry_run)
             if "is not in struct" in msg and hint:  # a free-form dict (env.args, model.extra) takes new keys with +
                 msg += f" ({hint})"
             elif "not in '" in msg:
                 msg += f" ({_known_keys(err, key)})"
             return f"config key `{key}`: {msg}"
     return one_line(e)
+
+
+# What a key that a preset reads from the environment holds, in the words of its refusal (the rest: "<value>").
+_UNSET_VALUES = {"model.path": "a Hugging Face checkpoint folder"}
+
+
+def unset_variable(key: str, variable: str, dry_run: bool = False) -> str:
+    """The refusal of a key whose preset value is `${oc.env:variable}` while `variable` is not set: both ways to give
+    it. A dry run does not read model.path (it plans for a checkpoint only the cluster holds), so any folder name
+    does there."""
+    what = _UNSET_VALUES.get(key, "a value")
+    that = "that folder" if what.endswith("folder") else "that value"
+    msg = (f"config key `{key}`: no value: the preset takes it from the environment variable {variable}, which is "
+           f"not set; pass {key}=<{what}> on the command line, or set {variable}=<{that}> in the environment")
+    if dry_run and key == "model.path":
+        msg += " (a dry run does not read the folder: one that only the cluster holds will do)"
+    return msg
 
 
 def _known_keys(err: BaseException, key: str) -> str:

@@ -18,7 +18,7 @@ from test_launch import rlhpc_processes
 
 # |held-out reward of the disturbed run - that of the undisturbed run|, both RL from the same warm start with the same
 # seed. Measured with `python benchmarks/chaos.py --steps 70 --checkpoint-interval 10 --repeats 3` (docs/
-# fault-tolerance.md): warm start 0.429; undisturbed 0.545 0.537 0.576, disturbed 0.524 0.561 0.549; the largest
+# changelog.md, 2026-12-03): warm start 0.429; undisturbed 0.545 0.537 0.576, disturbed 0.524 0.561 0.549; the largest
 # |difference| of a pair 0.027, the undisturbed runs' own range 0.040 (async RL is not bitwise repeatable). Undisturbed
 # runs of this test since: 0.504, 0.511 (its disturbed twin 0.575: a difference of 0.064 from noise alone), so the
 # undisturbed runs span 0.504-0.576, and the tolerance is wider than that range.

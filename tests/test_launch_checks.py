@@ -82,6 +82,39 @@ def test_the_other_commands_report_a_bad_value_in_one_line_too(tmp_path, command
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     refused_in_one_line(proc, message, tmp_path)
 
+NO_MODEL_PATH = ("error: config key `model.path`: no value: the preset takes it from the environment variable "
+                 "RLHPC_MODEL_PATH, which is not set; pass model.path=<a Hugging Face checkpoint folder> on the "
+                 "command line, or set RLHPC_MODEL_PATH=<that folder> in the environment")
+
+
+def without_model_path():
+    return {k: v for k, v in os.environ.items() if k != "RLHPC_MODEL_PATH"}
+
+
+@pytest.mark.parametrize("command", [("rlhpc.launch", "+exp=qwen3_30b_a3b"), ("rlhpc.sft", "model=qwen3_0_6b"),
+                                     ("rlhpc.serve", "model=qwen3_0_6b"), ("rlhpc.eval", "model=qwen3_0_6b")])
+def test_a_preset_checkpoint_without_its_folder_is_refused_naming_both_ways_to_give_it(tmp_path, command):
+    # conf/model/*.yaml of real checkpoints read model.path from ${oc.env:RLHPC_MODEL_PATH}: OmegaConf's own words
+    # ("Environment variable 'RLHPC_MODEL_PATH' not found") named neither the key to pass nor the folder it wants.
+    proc = subprocess.run([sys.executable, "-m", *command, f"run_dir={tmp_path / 'run'}"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path, env=without_model_path())
+    refused_in_one_line(proc, NO_MODEL_PATH, tmp_path)
+    assert proc.stderr.strip() == NO_MODEL_PATH
+
+
+def test_a_dry_run_without_the_model_path_is_told_that_a_folder_only_the_cluster_holds_will_do(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rlhpc.launch", "+exp=qwen3_30b_a3b", "dry_run=true"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=without_model_path())
+    refused_in_one_line(proc, NO_MODEL_PATH, tmp_path)
+    assert proc.stderr.strip() == NO_MODEL_PATH + (" (a dry run does not read the folder: one that only the cluster "
+                                                   "holds will do)")
+    planned = subprocess.run([sys.executable, "-m", "rlhpc.launch", "+exp=qwen3_30b_a3b", "dry_run=true",
+                              f"model.path={tmp_path / 'on-the-cluster'}"],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path, env=without_model_path())
+    assert planned.returncode == 0, planned.stderr
+    assert "from the published qwen3_30b_a3b shape (model.path is not readable here)" in planned.stdout
+
+
 def test_a_model_built_in_code_is_checked_by_building_and_running_it():
     """Every preset built in code passes; a key of model.extra that transformers would silently keep (a typo) is
     refused with the keys it resembles, while a legacy key the config converts is accepted and takes effect."""
@@ -155,18 +188,43 @@ def test_a_model_path_needs_whole_weights(tmp_path, model_dir):
 def test_a_turn_must_fit_in_the_models_context(tmp_path, model_dir):
     """env=math asks for 512 new tokens; the model built in code holds 256: refused before anything starts, naming
     both keys (it used to run and score 0, with a warning in the workers' logs only)."""
-    proc = launch(tmp_path, "env=math", "dry_run=true")
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == ("error: config key `env.max_new_tokens`: 512 new tokens leave no room for a prompt "
-                                   "in model.max_position_embeddings (256); lower env.max_new_tokens or use a model "
-                                   "with a longer context")
-    assert launch(tmp_path, "env=math", "model.max_position_embeddings=1024", "dry_run=true").returncode == 0
+    refused_in_one_line(launch(tmp_path, "env=math"), (
+        "error: config key `env.max_new_tokens`: 512 new tokens leave no room for a prompt in "
+        "model.max_position_embeddings (256); set model.max_position_embeddings=1024"), tmp_path)
+    # A checkpoint's context is its own: the refusal says what can change.
     with pytest.raises(ConfigError, match=r"^config key `env.max_new_tokens`: 300 new tokens .* the context of "
-                                          r"model.path's config \(256 tokens\)"):
+                                          r"model.path's config \(256 tokens\); lower env.max_new_tokens or use a "
+                                          r"model with a longer context$"):
         preflight.check_context(cfg_of(tmp_path, model={"path": str(model_dir)}, env={"max_new_tokens": 300}))
-    with pytest.raises(ConfigError, match=r"within inference.max_model_len"):
+    with pytest.raises(ConfigError, match=r"within inference.max_model_len \(100\)"):
         preflight.check_context(cfg_of(tmp_path, env={"max_new_tokens": 100},
                                        inference={"engine": "vllm", "max_model_len": 100}))
+
+
+@pytest.mark.parametrize("sections, fix", [
+    ({"env": {"name": "math", "max_new_tokens": 512}},
+     "set model.max_position_embeddings=1024 (a power of two that holds a prompt and 512 new tokens)"),
+    ({"env": {"name": "wordle", "max_new_tokens": 256}},  # the environment's own 6 turns
+     "set model.max_position_embeddings=2048 (a power of two that holds a prompt and 6 turns of 256 new tokens)"),
+    ({"env": {"name": "math", "max_new_tokens": 512, "max_turns": 3, "max_episode_tokens": 5000}},
+     "set model.max_position_embeddings=8192 (a power of two that holds env.max_episode_tokens=5000)"),
+    ({"env": {"name": "math", "max_new_tokens": 512}, "model": {"max_position_embeddings": 4096},
+      "inference": {"engine": "vllm", "max_model_len": 300}},
+     "set inference.max_model_len=1024 (a power of two that holds a prompt and 512 new tokens)"),
+    ({"env": {"name": "math", "max_new_tokens": 512}, "inference": {"engine": "vllm", "max_model_len": 300}},
+     "set model.max_position_embeddings=1024 inference.max_model_len=1024 (a power of two that holds a prompt and "
+     "512 new tokens)"),
+])
+def test_a_turn_too_long_for_the_model_built_in_code_is_refused_naming_a_context_that_fits(tmp_path, sections, fix):
+    """The model built in code (no model.path) takes its context from model.max_position_embeddings, and vLLM from
+    inference.max_model_len: the refusal names the values that hold the episode, and those values are accepted."""
+    with pytest.raises(ConfigError) as refused:
+        preflight.check_context(cfg_of(tmp_path, **sections))
+    assert str(refused.value).endswith(f"; {fix} or lower env.max_new_tokens")
+    overrides = OmegaConf.from_dotlist(fix[len("set "):fix.index(" (")].split())
+    fixed = cfg_of(tmp_path, **OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(sections), overrides)))
+    preflight.check_context(fixed)  # accepted, with room for the whole episode
+    assert preflight.context_tokens(fixed) >= preflight.episode_tokens(fixed)[0]
 
 class Broken:
     """Stands in for an environment whose constructor fails (a missing data file, say)."""

@@ -74,7 +74,7 @@ def test_each_preset_plans_a_job_that_fits_its_gpus(exp, tmp_path, monkeypatch, 
 @pytest.mark.parametrize("exp,cluster,passes", [("minimax_m2", "gpu_h200", True), ("glm5_h200", "gpu_example", False)])
 def test_a_cluster_on_the_command_line_replaces_the_presets_and_is_checked(exp, cluster, passes, tmp_path,
                                                                            monkeypatch, capsys):
-    # An 80 GB sizing runs on 141 GB GPUs too; GLM-5's H200 sizing (124 GiB a trainer rank) on 80 GB GPUs is refused.
+    # An 80 GB sizing runs on 141 GB GPUs too; GLM-5's H200 sizing (109.0 GiB a trainer rank) on 80 GB GPUs is refused.
     rc, out, err = dry_run(tmp_path, monkeypatch, capsys, f"+exp={exp}", f"cluster={cluster}")
     assert f"against cluster.gpu_memory_gb={141 if cluster == 'gpu_h200' else 80}" in out
     if passes:
