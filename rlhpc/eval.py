@@ -51,16 +51,19 @@ class EvalCommandKeys(EvalConfig):
 
     # Sampled episodes per task (pass@k is computed from these k samples).
     k: int = 8
+    # Sampling temperature of those episodes (0 is greedy).
     temperature: float = 1.0
     # Also run one greedy episode per task (the trainer's held-out reward).
     greedy: bool = True
     # A sample passes when its reward is at least this.
     pass_threshold: float = 1.0
-    # A running server's base URL and token ("": start a server in this process over model.path).
+    # A running server's base URL ("": start a server in this process over model.path).
     endpoint: str = ""
+    # That server's token ("": none, for a server started with inference.serve_open=true).
     token: str = ""
     # A run directory whose worker serves (a training run with inference.serve=true, or rlhpc.serve's run_dir).
     run: str = ""
+    # Which of eval.run's workers to evaluate through (its rendezvous/serve-<worker>.json).
     worker: int = 0
     # Where the JSON report goes ("": eval-<env>-<time>.json in the current folder; "-": stdout).
     report: str = ""
