@@ -3,6 +3,9 @@
 Every key has a type and a default here; Hydra composes `conf/` on top of this schema in struct mode, so an unknown key
 or a value of the wrong type fails at composition time with a message that names the key, before any process starts.
 `validate` then checks what types cannot (ranges, divisibility) and names the key the same way.
+
+The comment right above a field is that key's meaning: `--help` of every command and docs/commands.md show it with the
+key's type and default (rlhpc.commands), and tests/test_commands.py fails on a key without one.
 """
 
 from __future__ import annotations

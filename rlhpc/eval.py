@@ -286,6 +286,15 @@ def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
     return out
 
 
+# What the command's exit status says (its --help and docs/commands.md show them; rlhpc.commands).
+EXIT_CODES = {
+    0: "evaluated: the summary line is printed and the report written (eval.report=-: printed on stdout)",
+    1: "the server stopped answering mid-evaluation (no report), or the report could not be written (it is printed "
+       "on stdout instead)",
+    2: "refused before any episode ran (one line naming the key or the file)",
+}
+
+
 def main() -> None:
     import hydra
     from hydra.core.config_store import ConfigStore
@@ -294,9 +303,11 @@ def main() -> None:
     from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
     from rlhpc import config as config_mod
     from rlhpc import preflight
+    from rlhpc.commands import exit_on_help
     from rlhpc.config import CONF_DIR
     from rlhpc.rundir import write_json
 
+    exit_on_help("eval", sys.argv[1:])
     # The run's schema with the eval command's keys: a wrong key still fails at composition, naming it.
     ConfigStore.instance().store(name="rlhpc_schema", node=EvalCommandConfig)
     preflight.exit_on_composition_error(sys.argv[1:], typed=lambda dcfg: OmegaConf.to_object(
