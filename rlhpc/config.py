@@ -3,6 +3,9 @@
 Every key has a type and a default here; Hydra composes `conf/` on top of this schema in struct mode, so an unknown key
 or a value of the wrong type fails at composition time with a message that names the key, before any process starts.
 `validate` then checks what types cannot (ranges, divisibility) and names the key the same way.
+
+The comment right above a field is that key's meaning: `--help` of every command and docs/commands.md show it with the
+key's type and default (rlhpc.commands), and tests/test_commands.py fails on a key without one.
 """
 
 from __future__ import annotations
@@ -22,16 +25,25 @@ CONF_DIR = Path(os.environ.get("RLHPC_CONF_DIR", Path(__file__).resolve().parent
 
 @dataclass
 class ModelConfig:
-    # A local Hugging Face checkpoint folder; None builds the tiny model below in code (no download).
+    """The policy: a Hugging Face checkpoint, or a small model built in code from the sizes below."""
+
+    # A local Hugging Face checkpoint folder; null builds the tiny model of the keys below in code (no download).
     path: Optional[str] = None
+    # The model's name in logs, plans and the served model's id (when `path` is null); a preset's name.
     name: str = "tiny_qwen3"
-    # Architecture of the model built in code when `path` is None (a transformers model_type).
+    # Architecture of the model built in code when `path` is null (a transformers model_type).
     arch: str = "qwen3"
+    # The built model's width (each head has hidden_size / num_heads dimensions unless model.extra sets head_dim).
     hidden_size: int = 128
+    # The built model's MLP width.
     intermediate_size: int = 384
+    # The built model's decoder blocks.
     num_layers: int = 4
+    # The built model's attention (query) heads.
     num_heads: int = 4
+    # The built model's key/value heads (grouped-query attention); divides num_heads.
     num_kv_heads: int = 2
+    # The built model's context: the longest sequence (prompt and every turn) it takes, in tokens.
     max_position_embeddings: int = 256
     # Extra keys passed to the transformers config of the built model (e.g. MoE sizes).
     extra: Dict[str, Any] = field(default_factory=dict)
@@ -41,7 +53,10 @@ class ModelConfig:
     tokenizer_corpus: List[str] = field(default_factory=list)
     # Extra tokens of the built tokenizer, each one id (e.g. "<tool_call>", "</tool_call>" for tool-using tasks).
     tokenizer_added_tokens: List[str] = field(default_factory=list)
+    # Dtype of the weights the workers generate with, the trainer sends and exports ("float32", "bfloat16",
+    # "float16"); the trainer's own dtypes are trainer.param_dtype and trainer.master_dtype.
     dtype: str = "float32"
+    # Seed of the built model's initial weights.
     seed: int = 0
 
 
@@ -49,15 +64,23 @@ class ModelConfig:
 class SandboxLimitsConfig:
     """Limits of one sandboxed program (rlhpc.env.sandbox.Limits)."""
 
+    # CPU seconds (RLIMIT_CPU); past them the program is killed.
     cpu_s: int = 10
+    # Address space in MiB (RLIMIT_AS: a larger allocation fails); also the size of its private /tmp.
     memory_mb: int = 512
+    # Processes and threads (RLIMIT_NPROC, counted per program).
     processes: int = 64
+    # Largest file it may write, in MiB (RLIMIT_FSIZE; 0: no file writes).
     file_size_mb: int = 16
+    # Wall-clock seconds, after which its whole process tree is killed.
     wall_s: float = 10.0
 
 
 @dataclass
 class EnvConfig:
+    """The environment that turns tasks into episodes and rewards (docs/environments.md)."""
+
+    # The environment: envs/<name>.py (conf/env/<name>.yaml sets its arguments).
     name: str = "reverse_text"
     # A module path to an Environment class ("package.module:Class"); empty means envs/<name>.py.
     cls: str = ""
@@ -91,15 +114,19 @@ class EnvConfig:
 
 @dataclass
 class AlgoConfig:
+    """The RL algorithm: the policy loss, its corrections and the advantages (docs/algorithms.md)."""
+
     # The policy loss: a registered name (rlhpc.algo.loss.names(): grpo, dr_grpo, dapo, gspo, cispo, aipo) or an import
     # path "package.module:function". docs/algorithms.md gives each formula.
     name: str = "grpo"
     # Completions per task; the advantage baseline is computed within the group.
     group_size: int = 8
+    # Sampling temperature of the workers' generations; the trainer's logprobs divide the logits by it too.
     temperature: float = 1.0
     # Clip range of the importance ratio: [1 - clip_low, 1 + clip_high] (GRPO/DAPO/GSPO: the PPO clip; CISPO: the
     # bounds of its stop-gradient weight).
     clip_low: float = 0.2
+    # The upper end of that range (DAPO's clip-higher raises it above clip_low: 0.28).
     clip_high: float = 0.2
     # Divide advantages by the group's reward std (GRPO); False is Dr. GRPO's choice.
     std_normalize: bool = False
@@ -120,7 +147,9 @@ class AlgoConfig:
     is_level: str = "none"
     # "truncate": clamp the weight into [is_low, is_high]; "mask": zero it outside [is_low, is_high].
     is_mode: str = "truncate"
+    # Lower bound of the off-policy importance weight (algo.is_mode).
     is_low: float = 0.0
+    # Upper bound of the off-policy importance weight (algo.is_mode).
     is_high: float = 2.0
     # AIPO: cap delta of its per-token truncated importance weight min(pi/mu, delta).
     aipo_delta: float = 2.0
@@ -139,24 +168,37 @@ class AlgoConfig:
 
 @dataclass
 class OptimConfig:
+    """AdamW of one phase of training (trainer.optim: RL; sft.optim: the warm start)."""
+
+    # Learning rate (after the warmup).
     lr: float = 1e-3
+    # AdamW's decoupled weight decay (0: none).
     weight_decay: float = 0.0
+    # AdamW's decay rate of the gradient's running mean.
     beta1: float = 0.9
+    # AdamW's decay rate of the squared gradient's running mean.
     beta2: float = 0.99
+    # Gradients are scaled down to this global norm when larger (inf: no clipping).
     max_grad_norm: float = 1.0
+    # Steps over which the learning rate rises linearly to `lr` (0: none).
     warmup_steps: int = 0
 
 
 @dataclass
 class SFTConfig:
+    """The supervised warm start on the environment's reference answers, before RL (or alone: rlhpc.sft)."""
+
     # Optimizer steps of the supervised warm start (the most it takes when stop_at_reward is set); 0 skips it.
     steps: int = 0
+    # Tasks per SFT step, each trained on its reference answer.
     batch_size: int = 32
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3))
     # Stop as soon as the greedy reward on a validation set (train-distribution tasks, never the held-out eval set)
     # reaches this value, checked every check_interval steps; 0 trains all `steps`.
     stop_at_reward: float = 0.0
+    # SFT steps between two validation checks (sft.stop_at_reward).
     check_interval: int = 10
+    # Tasks of the validation set (sft.stop_at_reward).
     validation_tasks: int = 64
     # The warm start saves its state (model, optimizer, step: run_dir/sft_state) every save_interval steps, so that a
     # trainer killed outright (a lost node) goes on from the last save; also whenever asked to stop. 0: only then.
@@ -165,6 +207,8 @@ class SFTConfig:
 
 @dataclass
 class TrainerConfig:
+    """The RL trainer: its steps, ranks, batches and parallelism (docs/trainer.md)."""
+
     # RL optimizer steps.
     steps: int = 100
     # Number of trainer ranks (one torch.distributed world; FSDP2 when > 1).
@@ -181,6 +225,7 @@ class TrainerConfig:
     # attention mask that keeps samples apart (exact: every sample sees what it sees alone); the output head runs only
     # on loss tokens. "padded": one right-padded row per sample (docs/trainer.md).
     packing: str = "shared_prefix"
+    # Tokens of one packed row (trainer.packing=shared_prefix).
     pack_row_tokens: int = 1024
     # Packed rows attend from their samples' boundaries, building the attention mask this many query x key elements
     # at a time: a row of W tokens with W x W above it attends in blocks of queries whose attention the backward
@@ -199,6 +244,7 @@ class TrainerConfig:
     # Dtype of the sharded parameters (master weights) and the AdamW state. "bfloat16" is pure bf16 training: updates
     # much smaller than a weight round away. Weights sent to inference and exports are cast to model.dtype.
     master_dtype: str = "float32"
+    # Recompute each decoder block's activations in the backward pass: less memory, more compute.
     activation_checkpointing: bool = False
     # Expert parallelism for MoE models: each layer's routed experts are computed on `ep` ranks (E/ep experts each),
     # tokens reach them by all-to-all (rlhpc/train/experts.py). Must divide trainer.num_ranks; 1: experts are plain
@@ -218,6 +264,7 @@ class TrainerConfig:
     # A step whose advantages, loss or gradient norm is not finite is skipped (weights unchanged, republished as the
     # next version); this many skipped steps in a row stop the run (docs/fault-tolerance.md).
     max_bad_steps: int = 5
+    # Torch threads of each trainer rank.
     threads: int = 1
 
 
@@ -227,6 +274,7 @@ class DisaggregationConfig:
     kv_role kv_producer) and a decode instance (kv_consumer); the prompt is computed on the first, its KV cache moves
     through `connector` to the second, which samples the completion."""
 
+    # Run each worker as a prefill instance and a decode instance.
     enabled: bool = False
     # vLLM KV connector joining the two: "NixlConnector" (GPU memory to GPU memory, RDMA/NVLink; GPU path) or
     # "ExampleConnector" (KV cache through files under <run_dir>/vllm/kv/; the one that runs on vLLM's CPU backend).
@@ -242,11 +290,15 @@ class DisaggregationConfig:
 
 @dataclass
 class InferenceConfig:
+    """The inference workers: their engine, how many, how they generate (and serve)."""
+
     # "hf" (transformers, the embedded default) or "vllm" (rlhpc.infer.engines.vllm; see docs/vllm.md).
     engine: str = "hf"
+    # Inference workers, each with its own engine (with +attach=inference: the workers to add).
     num_workers: int = 2
     # Tasks per generation call; each call publishes one queue file holding that many groups.
     groups_per_batch: int = 8
+    # Torch threads of each inference worker.
     threads: int = 1
     # Seconds a worker waits for the first weights (SFT runs first on the trainer).
     startup_timeout_s: float = 900.0
@@ -258,12 +310,14 @@ class InferenceConfig:
     # worker ends the run.
     max_restarts: int = 0
     # ---- vLLM-only settings (ignored by the transformers engine) ----
+    # GPUs of one vLLM instance (tensor parallelism).
     tensor_parallel_size: int = 1
     # GPU: share of GPU memory vLLM may take (weights + KV cache). Not used on CPU, where vLLM reads it as a share of
     # host memory: there `kv_cache_gb` sizes the KV cache.
     gpu_memory_utilization: float = 0.85
     # Clamped to the model's max_position_embeddings.
     max_model_len: int = 4096
+    # No CUDA graphs or torch.compile in vLLM: a faster start, slower decoding.
     enforce_eager: bool = True
     # "fp8": weights quantized to FP8 when loaded (GPU only); updates then take the reload path, which re-quantizes.
     quantization: Optional[str] = None
@@ -273,6 +327,7 @@ class InferenceConfig:
     kv_cache_gb: float = 0.0
     # Sequences decoded together; a generation call of groups_per_batch * group_size sequences should fit in one.
     max_num_seqs: int = 256
+    # vLLM's prefix caching: a group's shared prompt is computed once.
     enable_prefix_caching: bool = True
     # Apply new weights between two decode steps of a running generation (requests and their KV cache are kept), not
     # only between generations. Needs the worker to hand the engine its receiver (docs/vllm.md).
@@ -311,6 +366,8 @@ class InferenceConfig:
 
 @dataclass
 class WeightsConfig:
+    """How new weights travel from the trainer to the workers."""
+
     # "broadcast" (NCCL on GPU, gloo on CPU) or "filesystem" (safetensors snapshot + ready marker).
     transport: str = "broadcast"
     # Flat bucket size of the broadcast, in MiB.
@@ -332,6 +389,8 @@ class WeightsConfig:
 
 @dataclass
 class QueueConfig:
+    """The rollout queue under run_dir/queue/ (docs/fault-tolerance.md)."""
+
     # Back-pressure: workers pause while this many steps' worth of fresh groups are already pending.
     max_pending_steps: int = 2
     # Keep the folders of trained steps under queue/retired (otherwise delete them once checkpointed).
@@ -342,16 +401,20 @@ class QueueConfig:
     # Longest wait between two looks at the queue of a waiting worker (waits back off from 10 ms to this, and start
     # again at 10 ms after progress): bounds the filesystem metadata operations per second of each worker.
     poll_max_s: float = 0.5
-    # Files kept in queue/dropped and queue/quarantine (the newest; older ones are deleted, totals are counted).
+    # Files kept in queue/dropped (the newest; older ones are deleted, totals are counted).
     keep_dropped: int = 100
+    # Files kept in queue/quarantine (the newest; older ones are deleted, totals are counted).
     keep_quarantined: int = 100
 
 
 @dataclass
 class EvalConfig:
+    """The held-out evaluation of a training run."""
+
     # Held-out evaluation (greedy) every this many RL steps, plus after SFT and at the end; 0: only those two. During
     # RL inference worker 0 evaluates, with the run's engine, into run_dir/evals/ (rlhpc/train/evaluation.py).
     interval: int = 10
+    # Held-out tasks evaluated: the first this many of the environment's eval split.
     num_tasks: int = 64
     # How long the trainer waits after its last step for worker 0's evaluation of the final weights (seconds).
     timeout_s: float = 600.0
@@ -361,10 +424,13 @@ class EvalConfig:
 class SlurmGroupConfig:
     """The Slurm resources of one role: one component of the heterogeneous job (trainer: 0, inference: 1)."""
 
+    # Nodes of this component.
     nodes: int = 1
     # Tasks (role processes) per node; 0 derives it: trainer.num_ranks (or inference.num_workers) / nodes.
     tasks_per_node: int = 0
+    # CPUs of each task (`--cpus-per-task`).
     cpus_per_task: int = 1
+    # GPUs of each node (0: none).
     gpus_per_node: int = 0
     # Memory per node in GB (0: the partition's default).
     mem_gb: int = 4
@@ -378,8 +444,11 @@ class SlurmGroupConfig:
 class ClusterConfig:
     """Where and how the Slurm launchers run the job (ignored by launcher=local)."""
 
+    # Slurm partition ("": the cluster's default).
     partition: str = ""
+    # Slurm account to charge ("": the user's default).
     account: str = ""
+    # Slurm quality of service ("": the default).
     qos: str = ""
     # Job name in squeue/sacct ("": rlhpc-<exp_name>).
     job_name: str = ""
@@ -405,6 +474,8 @@ class ClusterConfig:
 
 @dataclass
 class ResumeConfig:
+    """Launching again into the run_dir of an unfinished run, which resumes it (docs/fault-tolerance.md)."""
+
     # Relaunching an unfinished run whose saved config.yaml differs in a key that changes training (the model, the
     # environment, the algorithm, the optimizer, ...) is refused, listing the differences; true trains on with the new
     # values (the change is appended to run_dir/config_changes.jsonl).
@@ -413,12 +484,15 @@ class ResumeConfig:
 
 @dataclass
 class LauncherConfig:
+    """How the roles are started: local processes, or one Slurm job."""
+
     # local | slurm (one heterogeneous job through submitit) | sbatch (the same job script through the sbatch command)
     name: str = "local"
     # Wait for the run to end and stream progress (the Slurm launchers return the job id at once otherwise).
     wait: bool = True
     # Seconds the launcher waits for the whole run before ending it (0: no limit; Slurm: the job is cancelled).
     timeout_s: float = 0.0
+    # A progress bar of the trainer's steps while waiting.
     progress: bool = True
     # Slurm launchers: submit the job script; false only writes it to run_dir/job.sbatch (to submit by hand).
     submit: bool = True
@@ -431,9 +505,14 @@ class LauncherConfig:
 
 @dataclass
 class Config:
-    # Where everything of this run lives (shared filesystem on a cluster).
+    """The whole config of a run."""
+
+    # Where everything of this run lives (shared filesystem on a cluster). conf/config.yaml makes it
+    # runs/<exp_name>/<launch time> (in a sweep, one folder per point).
     run_dir: str = MISSING
+    # The experiment's name: in the default run_dir and the Slurm job's name.
     exp_name: str = "default"
+    # Seed of the run: task order, sampling, the trainer's randomness.
     seed: int = 0
     # How many optimizer steps a rollout may lag behind the step that trains on it (0: on-policy).
     async_level: int = 1
@@ -441,6 +520,7 @@ class Config:
     overwrite: bool = False
     # Print the plan and start nothing.
     dry_run: bool = False
+    # Level of the roles' logs (DEBUG, INFO, WARNING, ERROR).
     log_level: str = "INFO"
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -455,7 +535,7 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     # "inference": add inference workers to the running run in run_dir (its saved config.yaml holds the rest; see
-    # docs/fault-tolerance.md); None: launch (or resume) the run itself.
+    # docs/fault-tolerance.md); null: launch (or resume) the run itself.
     attach: Optional[str] = None
 
 

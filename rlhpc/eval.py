@@ -51,16 +51,19 @@ class EvalCommandKeys(EvalConfig):
 
     # Sampled episodes per task (pass@k is computed from these k samples).
     k: int = 8
+    # Sampling temperature of those episodes (0 is greedy).
     temperature: float = 1.0
     # Also run one greedy episode per task (the trainer's held-out reward).
     greedy: bool = True
     # A sample passes when its reward is at least this.
     pass_threshold: float = 1.0
-    # A running server's base URL and token ("": start a server in this process over model.path).
+    # A running server's base URL ("": start a server in this process over model.path).
     endpoint: str = ""
+    # That server's token ("": none, for a server started with inference.serve_open=true).
     token: str = ""
     # A run directory whose worker serves (a training run with inference.serve=true, or rlhpc.serve's run_dir).
     run: str = ""
+    # Which of eval.run's workers to evaluate through (its rendezvous/serve-<worker>.json).
     worker: int = 0
     # Where the JSON report goes ("": eval-<env>-<time>.json in the current folder; "-": stdout).
     report: str = ""
@@ -283,6 +286,15 @@ def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
     return out
 
 
+# What the command's exit status says (its --help and docs/commands.md show them; rlhpc.commands).
+EXIT_CODES = {
+    0: "evaluated: the summary line is printed and the report written (eval.report=-: printed on stdout)",
+    1: "the server stopped answering mid-evaluation (no report), or the report could not be written (it is printed "
+       "on stdout instead)",
+    2: "refused before any episode ran (one line naming the key or the file)",
+}
+
+
 def main() -> None:
     import hydra
     from hydra.core.config_store import ConfigStore
@@ -291,9 +303,11 @@ def main() -> None:
     from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
     from rlhpc import config as config_mod
     from rlhpc import preflight
+    from rlhpc.commands import exit_on_help
     from rlhpc.config import CONF_DIR
     from rlhpc.rundir import write_json
 
+    exit_on_help("eval", sys.argv[1:])
     # The run's schema with the eval command's keys: a wrong key still fails at composition, naming it.
     ConfigStore.instance().store(name="rlhpc_schema", node=EvalCommandConfig)
     preflight.exit_on_composition_error(sys.argv[1:], typed=lambda dcfg: OmegaConf.to_object(

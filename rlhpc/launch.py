@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
+from rlhpc import commands
 from rlhpc import config as config_mod
 from rlhpc import preflight
 from rlhpc.cluster import memory
@@ -92,11 +93,28 @@ def stopped_note(run: RunDir, cfg: Config, overrides: Optional[List[str]]) -> st
     return f"stopped: {kept}. To go on:\n  {again}"
 
 
+# What the command's exit status says (its --help and docs/commands.md show them; rlhpc.commands).
+EXIT_CODES = {
+    0: "the run finished (its summary is printed); launcher=slurm or sbatch with launcher.wait=false: the job was "
+       "submitted (launcher.submit=false: its script written); dry_run=true: the plan fits",
+    1: "a role failed (the end of its log is printed), the Slurm job ended other than COMPLETED or was not submitted, "
+       "or a point of a sweep (-m) failed",
+    2: "the config was refused before anything started (one line naming the key), or dry_run=true's plan does not fit",
+    124: "launcher.timeout_s was reached: the roles were ended (Slurm: the job cancelled)",
+    130: "Ctrl-C: a local run's roles ended once the trainer checkpointed, and the command that goes on is printed; "
+         "launcher=slurm stops following the job, which keeps running",
+    143: "SIGTERM: as Ctrl-C",
+    129: "SIGHUP (the terminal was closed): as Ctrl-C",
+}
+
+
 def main() -> None:
     import hydra
 
+    argv = sys.argv[1:]
+    commands.exit_on_help("attach" if any(a.lstrip("+").startswith("attach=") for a in argv) else "launch", argv)
     config_mod.register()
-    preflight.exit_on_composition_error(sys.argv[1:])
+    preflight.exit_on_composition_error(argv)
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _main(dcfg) -> None:

@@ -111,13 +111,28 @@ def plot_runs(run_dirs: List[Path], out: Path, labels: Optional[List[str]] = Non
     return out
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("run_dirs", nargs="+", type=Path)
+# What the command's exit status says (its --help and docs/commands.md show them; rlhpc.commands).
+EXIT_CODES = {
+    0: "the plot was written (its path is printed)",
+    2: "a path is not a run directory, the labels do not match the runs, --out cannot be written, or the arguments "
+       "are wrong",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    from rlhpc.commands import argparser
+
+    ap = argparser("rlhpc-plots", __doc__, EXIT_CODES)
+    ap.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
+                    help="a run directory (run_dir=... of a launch)")
     ap.add_argument("--out", type=Path, help="the PNG to write (default: curves.png in the first RUN_DIR)")
-    ap.add_argument("--labels", nargs="*")
-    ap.add_argument("--title", default="")
-    args = ap.parse_args(argv)
+    ap.add_argument("--labels", nargs="*", help="one label per RUN_DIR (default: each run's algorithm or folder name)")
+    ap.add_argument("--title", default="", help="a title over the plot")
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
     out = args.out or args.run_dirs[0] / "curves.png"
     try:
         print(plot_runs(args.run_dirs, out, args.labels, args.title))

@@ -82,14 +82,25 @@ def serve_dir(cfg):
     return run.make()
 
 
+# What the command's exit status says (its --help and docs/commands.md show them; rlhpc.commands).
+EXIT_CODES = {
+    0: "served until Ctrl-C, SIGTERM or SIGHUP, then stopped",
+    2: "refused before serving (one line naming the key): the config, model.path, a port in use, or a run_dir that "
+       "holds something else",
+    130: "a second Ctrl-C ended it at once, without waiting for the generation in progress",
+}
+
+
 def main() -> None:
     import hydra
 
     from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
     from rlhpc import config as config_mod
     from rlhpc import preflight
+    from rlhpc.commands import exit_on_help
     from rlhpc.config import CONF_DIR
 
+    exit_on_help("serve", sys.argv[1:])
     config_mod.register()
     preflight.exit_on_composition_error(sys.argv[1:])
 

@@ -14,11 +14,20 @@ import torch
 
 log = logging.getLogger("rlhpc.sft")
 
+# What the command's exit status says (its --help and docs/commands.md show them; rlhpc.commands).
+EXIT_CODES = {
+    0: "trained, evaluated and exported: the held-out reward before and after is printed",
+    2: "the config or the run directory was refused before anything loaded (one line naming the key)",
+}
+
 
 def main() -> None:
     """Standalone SFT: build or load the model, train, evaluate greedy held-out reward, export in HF format."""
     import hydra
 
+    from rlhpc.commands import exit_on_help
+
+    exit_on_help("sft", sys.argv[1:])
     from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
     from rlhpc import config as config_mod
     from rlhpc import env as env_mod

@@ -302,12 +302,25 @@ def render(info: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="rlhpc-status", description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir", help="the run directory (run_dir=... of the launch)")
+# What the command's exit status says (its --help and docs/commands.md show them; rlhpc.commands).
+EXIT_CODES = {
+    0: "the status was shown",
+    2: "RUN_DIR is not a run directory, or the arguments are wrong",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    from rlhpc.commands import argparser
+
+    ap = argparser("rlhpc-status", __doc__, EXIT_CODES)
+    ap.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (run_dir=... of the launch)")
     ap.add_argument("--json", action="store_true", help="print JSON")
     ap.add_argument("--no-slurm", action="store_true", help="do not ask sacct/squeue")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
     run = RunDir(Path(args.run_dir))
     if not run.config.exists():
         print(f"rlhpc-status: {run.root} is not a run directory (no config.yaml written by rlhpc.launch)",

@@ -38,6 +38,20 @@ from rlhpc.rundir import RunDir, read_json, write_json
 # The command-line keys an attach may set (by their first part); the run's config.yaml decides every other.
 ATTACH_KEYS = ("inference", "launcher", "cluster", "run_dir", "attach", "dry_run", "log_level")
 
+# What `rlhpc-launch +attach=inference` exits with (its --help and docs/commands.md show them; rlhpc.commands).
+EXIT_CODES = {
+    0: "the run is done and every attached worker left; launcher=slurm: the attach job completed (with "
+       "launcher.wait=false: it was submitted); dry_run=true: the plan was printed",
+    1: "an attached worker failed (the run goes on without it), the run failed, or the attach job was not submitted "
+       "or did not complete",
+    2: "refused before anything started (one line naming the key): run_dir holds no run that goes on, or the command "
+       "line sets a key that changes training",
+    124: "launcher.timeout_s was reached: the attached workers were ended (Slurm: their job cancelled)",
+    130: "Ctrl-C: the attached workers were ended (launcher=slurm: their job keeps running); the run goes on",
+    143: "SIGTERM: as Ctrl-C",
+    129: "SIGHUP (the terminal was closed): as Ctrl-C",
+}
+
 
 @dataclass
 class Attachment:

@@ -1,6 +1,6 @@
 """The sandbox that model-written code runs in: bubblewrap namespaces plus resource limits and a wall-clock timeout.
 
-    python -m rlhpc.env.sandbox check       # on a compute node: srun -N1 python -m rlhpc.env.sandbox check
+    rlhpc-sandbox check         # or python -m rlhpc.env.sandbox check; on a compute node: srun -N1 rlhpc-sandbox check
 
 A program sees the host's filesystem read-only, with the caller's home and /run hidden (keys, tokens, the sockets of
 dbus, munge or docker), a private /tmp, and the workdir read-write as its cwd. It has its own network (a loopback with
@@ -11,9 +11,10 @@ RLIMIT_NPROC counts the processes of a real uid within a user namespace, and roo
 its own user namespace (the cap is per run, not shared with other runs or the user's other processes), and as root the
 program first drops to nobody (uid 65534), which also keeps it from reading root's files; the workdir is then chowned
 to nobody. Mode "unsandboxed" (config `env.sandbox=unsandboxed`) applies the same limits and timeout without isolation.
-
-This module imports nothing from rlhpc and no torch: it runs in light worker processes.
 """
+
+# This module imports nothing from rlhpc (but for its command line's help) and no torch: it runs in light worker
+# processes.
 
 from __future__ import annotations
 
@@ -342,11 +343,24 @@ _KNOBS = [  # what decides whether an unprivileged process may create a user nam
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rlhpc.env.sandbox", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+# What `rlhpc-sandbox check` exits with (its --help and docs/commands.md show them; rlhpc.commands).
+EXIT_CODES = {
+    0: "the sandbox works on this node",
+    1: "it does not: why, and what an admin changes, are printed",
+    2: "the arguments are wrong",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    from rlhpc.commands import argparser  # the command line's help only: sandboxed programs never build it
+
+    ap = argparser("rlhpc-sandbox", __doc__, EXIT_CODES)
     ap.add_argument("command", choices=["check"], help="does the code sandbox work on this node?")
-    ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser().parse_args(argv)
     bwrap = bwrap_path()
     print(f"bwrap: {bwrap or 'not found'}")
     fixes = []
