@@ -400,7 +400,23 @@ def markdown() -> str:
         if s.meaning:
             out += [_prose(s.meaning), ""]
         out += [*_key_table(s.keys), ""]
-    return "\n".join(out).rstrip() + "\n"
+    return "\n".join(_wrapped(out)).rstrip() + "\n"
+
+
+def _wrapped(lines: Sequence[str]) -> List[str]:
+    """Prose lines of the page at 120 characters (tests/test_docs.py); tables and code blocks as they are."""
+    out, code = [], False
+    for block in lines:
+        for line in block.split("\n"):
+            code ^= line.startswith("```")
+            if code or line.startswith(("|", "```")) or len(line) <= 120:
+                out.append(line)
+                continue
+            lead = line[:len(line) - len(line.lstrip())]
+            bullet = lead + ("- " if line.lstrip().startswith("- ") else "")
+            out += textwrap.wrap(line, 120, subsequent_indent=" " * len(bullet), break_long_words=False,
+                                 break_on_hyphens=False)
+    return out
 
 
 def _section_of(prefix: str, picked: Sequence[Section]) -> Section:
