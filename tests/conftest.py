@@ -11,6 +11,7 @@
 """
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -41,6 +42,10 @@ def pytest_configure(config):
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
     global _config
     _config = config
+    # Rank processes of the trainer-math tests start from a fork server that has imported torch, transformers and the
+    # trainer once (tests/test_trainer_math.py RANKS): seconds of imports saved per process, hundreds per run.
+    multiprocessing.set_forkserver_preload(["torch", "transformers", "rlhpc.train.trainer", "rlhpc.train.optim",
+                                            "test_trainer_math"])
     # Read once and kept from the processes the tests start (a test that runs pytest must not write into CI's record).
     config._rlhpc_record = os.environ.pop("RLHPC_TEST_RECORD", None)
     config._rlhpc_done = os.environ.pop("RLHPC_TEST_DONE", None)
@@ -106,27 +111,32 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# ---- a model that knows the task, built once per test run ---------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def quickstart_sft_model(tmp_path_factory):
+    """The quick start's SFT model (`+exp=reverse_text trainer.steps=0`: SFT to partial competence, no RL step), built
+    once per test run and shared by every test that needs "a model that knows the task" and RL from it (model.path):
+    the chaos runs and their calm reference, the full-disk run, the vLLM quick start."""
+    from rlhpc.cluster.chaos import warm_start
+
+    return warm_start(tmp_path_factory.mktemp("quickstart-sft") / "run")
+
+
 # ---- the chaos tests' reference (tests/test_chaos.py, tests/test_chaos_slurm.py) ----------------------------------
 
 CHAOS_STEPS, CHAOS_CHECKPOINT = 70, 10
 
 
 @pytest.fixture(scope="session")
-def chaos_warm_model(tmp_path_factory):
-    """The quick-start SFT model; every chaos run starts RL from it (model.path)."""
-    from rlhpc.cluster.chaos import warm_start
-
-    return warm_start(tmp_path_factory.mktemp("chaos-sft") / "run")
-
-
-@pytest.fixture(scope="session")
-def chaos_calm(tmp_path_factory, chaos_warm_model):
+def chaos_calm(tmp_path_factory, quickstart_sft_model):
     """An undisturbed local run with the chaos runs' settings and seed: {"sft": .., "rl": ..} held-out rewards."""
     from rlhpc.cluster.chaos import heldout, rl_overrides
 
     run_dir = tmp_path_factory.mktemp("chaos-calm") / "run"
     calm = subprocess.run([sys.executable, "-m", "rlhpc.launch",
-                           *rl_overrides(chaos_warm_model, CHAOS_STEPS, CHAOS_CHECKPOINT), f"run_dir={run_dir}"],
+                           *rl_overrides(quickstart_sft_model, CHAOS_STEPS, CHAOS_CHECKPOINT), f"run_dir={run_dir}"],
                           capture_output=True, text=True, timeout=900)
     assert calm.returncode == 0, calm.stderr[-3000:]
     return heldout(run_dir)

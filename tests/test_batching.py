@@ -13,7 +13,7 @@ from rlhpc.train.batching import pad, token_logprobs
 from rlhpc.config import ModelConfig
 from rlhpc.procs import free_port
 
-CTX = mp.get_context("spawn")
+CTX = mp.get_context("forkserver")  # preloaded with torch and the trainer (tests/conftest.py)
 SEQS = [[5, 9, 44, 70, 2, 3, 120, 121, 30, 31, 32], [7, 8, 100, 101, 102, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
 
 

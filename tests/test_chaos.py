@@ -32,9 +32,9 @@ MIN_GAIN = 0.02
 
 
 @pytest.mark.slow
-def test_a_run_survives_killed_workers_a_killed_trainer_corrupt_files_and_a_frozen_worker(tmp_path, chaos_warm_model,
+def test_a_run_survives_killed_workers_a_killed_trainer_corrupt_files_and_a_frozen_worker(tmp_path, quickstart_sft_model,
                                                                                          chaos_calm):
-    args = [sys.executable, "-m", "rlhpc.launch", *rl_overrides(chaos_warm_model, STEPS, CHECKPOINT)]
+    args = [sys.executable, "-m", "rlhpc.launch", *rl_overrides(quickstart_sft_model, STEPS, CHECKPOINT)]
     run_dir = tmp_path / "chaos"
     seed = int(os.environ.get("RLHPC_CHAOS_SEED", os.getpid()))
     print(f"chaos seed {seed} (RLHPC_CHAOS_SEED={seed} repeats the moments of the faults)")

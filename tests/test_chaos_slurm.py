@@ -34,10 +34,10 @@ def component_nodes(job_id: str) -> dict:
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_a_slurm_run_survives_a_killed_worker_a_corrupt_file_a_drained_node_and_a_requeue(cluster, tmp_path,
-                                                                                         chaos_warm_model, chaos_calm):
+                                                                                         quickstart_sft_model, chaos_calm):
     run_dir = cluster.track(tmp_path / "run")
     follow = subprocess.Popen(
-        [sys.executable, "-m", "rlhpc.launch", *rl_overrides(chaos_warm_model, STEPS, CHECKPOINT), *ON_CLUSTER,
+        [sys.executable, "-m", "rlhpc.launch", *rl_overrides(quickstart_sft_model, STEPS, CHECKPOINT), *ON_CLUSTER,
          "launcher.wait=true", "inference.max_restarts=2", f"run_dir={run_dir}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
 

@@ -129,12 +129,12 @@ def test_a_launch_that_cannot_reach_its_first_checkpoint_is_refused_before_writi
 
 @pytest.mark.slow
 def test_a_disk_that_fills_mid_run_stops_it_at_once_naming_it_and_the_same_command_resumes(small_fs,
-                                                                                        chaos_warm_model):
+                                                                                        quickstart_sft_model):
     from rlhpc.cluster.chaos import rl_overrides
 
     fs = small_fs(64)
     run = fs / "run"
-    args = [*rl_overrides(chaos_warm_model, 12, 2), f"run_dir={run}"]
+    args = [*rl_overrides(quickstart_sft_model, 12, 2), f"run_dir={run}"]
     proc = subprocess.Popen([sys.executable, "-m", "rlhpc.launch", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:

@@ -17,7 +17,7 @@ from rlhpc.identity import Identity
 from rlhpc.procs import free_port
 from rlhpc.rundir import RunDir
 
-CTX = mp.get_context("spawn")
+CTX = mp.get_context("forkserver")  # preloaded with torch and the trainer (tests/conftest.py)
 
 
 def make_batch(vocab: int, seed: int = 0, groups: int = 4, group_size: int = 4) -> RolloutBatch:
