@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 def test_the_indexer_benchmark_compares_both_indexers_at_each_length():
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "dsa_indexer.py"), "--lengths", "256", "768", "--repeats", "1",

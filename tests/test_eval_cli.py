@@ -115,6 +115,7 @@ def test_a_report_in_a_folder_that_cannot_be_made_is_refused_before_anything_loa
     assert one_line(proc, 2).startswith("error: config key `eval.report`: cannot write in /proc: ")
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 def test_more_samples_than_one_request_may_ask_are_all_drawn(served):
     """The server answers at most MAX_N completions per request; eval.k above it used to end in a traceback."""
     proc = evaluate(f"eval.run={served}", f"eval.k={MAX_N + 2}", "eval.num_tasks=2", "eval.greedy=false",
@@ -252,6 +253,7 @@ class Relay:
         self.listener.close()
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 def test_a_server_killed_mid_evaluation_ends_it_in_one_line_naming_its_key(tmp_path):
     """It used to end with an httpx traceback; it is not a config error, so the exit code is 1."""
     run_dir = tmp_path / "serve"

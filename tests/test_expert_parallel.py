@@ -145,6 +145,7 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float(np.abs(a[k] - b[k]).max()) for k in a)
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 @pytest.mark.parametrize("world,ep", LAYOUTS)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_each_rank_computes_only_its_share_of_the_experts(runs, name, world, ep):

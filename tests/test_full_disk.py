@@ -114,6 +114,7 @@ def launch(*overrides, timeout=600):
                           timeout=timeout)
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 def test_a_launch_that_cannot_reach_its_first_checkpoint_is_refused_before_writing_anything(small_fs):
     fs = small_fs(12)  # the quick start writes ~19 MiB before its first checkpoint
     proc = launch("+exp=reverse_text", f"run_dir={fs / 'run'}", timeout=120)

@@ -358,6 +358,7 @@ def write_job(cwd, *overrides):
                            "launcher.submit=false", *overrides], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 def test_launches_named_by_the_same_second_get_folders_of_their_own(tmp_path):
     # The default run_dir is runs/<exp>/<time to the second>: two launches in one second (a script starting runs in
     # the background) would share it. A year-long "second" makes the collision certain.
@@ -374,6 +375,7 @@ def test_launches_named_by_the_same_second_get_folders_of_their_own(tmp_path):
     assert len(list((tmp_path / "runs" / "reverse_text").iterdir())) == 1
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 def test_a_run_dir_given_by_name_is_never_renamed_and_a_launch_into_it_meanwhile_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     assert write_job(tmp_path, f"run_dir={run_dir}").returncode == 0
@@ -394,6 +396,7 @@ def test_new_run_dirs_are_made_exclusively(tmp_path):
         preflight.new_run_dir(tmp_path / "afile" / "x")
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 def test_a_cluster_python_the_jobs_tasks_could_not_run_is_refused_at_launch_not_in_the_job(tmp_path):
     # The tasks run `cluster.python -m rlhpc.role` from this folder once the job has its nodes, which may be hours
     # later: a path that does not exist, a file that is not a program, or a Python without rlhpc are named at launch.

@@ -68,6 +68,7 @@ def test_a_training_run_serves_the_policy_it_trains_behind_the_run_token(tmp_pat
 
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 def test_rlhpc_serve_refuses_a_training_runs_folder_and_writes_nothing_there(tmp_path):
     """`run_dir=runs/x` beside `model.path=runs/x/checkpoints/final` is an easy slip: the server would write its own
     config.yaml over the run's."""

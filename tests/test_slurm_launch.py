@@ -79,6 +79,7 @@ def test_a_task_outside_a_step_over_both_components_is_told_how_to_start_the_rol
 # ---- the plan and the script (no cluster needed) ------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 def test_dry_run_prints_the_plan_and_the_script_and_submits_nothing(tmp_path):
     spy = tmp_path / "bin"
     spy.mkdir()
@@ -200,6 +201,7 @@ def test_the_rendered_script_runs_the_role_entry_point_and_owns_signals_and_requ
     assert not (run_dir / "jobs.json").exists()  # written, not submitted
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 def test_a_sweep_gives_every_point_its_own_run_dir(tmp_path):
     proc = launch("-m", *SMALL, "launcher=slurm", "trainer.steps=4,6", "dry_run=true", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -536,6 +538,7 @@ def test_a_run_dir_whose_job_has_not_ended_is_not_launched_into_again(cluster, t
     assert f"state:   stopped: its Slurm job {job_id} ended CANCELLED" in status(run_dir)
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 def test_a_sweep_with_one_run_dir_for_every_point_is_refused_and_a_failed_point_fails_the_sweep(tmp_path):
     proc = launch("-m", *SMALL, "run_dir=" + str(tmp_path / "one"), "algo.temperature=0.7,1.0",
                   f"hydra.sweep.dir={tmp_path / 'sweep'}", "dry_run=true", cwd=tmp_path, timeout=120)

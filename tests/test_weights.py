@@ -81,6 +81,7 @@ def test_every_worker_receives_the_update_and_computes_the_trainers_logprobs(tmp
             assert float((torch.exp(want - got) - 1 - (want - got)).mean()) < 1e-8
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 def test_a_member_without_the_token_is_refused_and_the_group_still_forms(tmp_path, tiny_model_dir):
     run = RunDir(tmp_path).make()
     out = CTX.Queue()

@@ -96,6 +96,7 @@ def published(sender, version):
     return time.monotonic() - t0
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 def test_the_group_goes_on_without_a_dead_member_and_admits_restarted_and_attached_ones(tmp_path):
     run = RunDir(tmp_path).make()
     out = Reports()
@@ -186,6 +187,7 @@ def test_a_member_whose_worker_ends_is_no_fault_and_not_waited_for(tmp_path, cap
     assert any("members [2] left while version" in m for _, m in records), records
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 def test_a_member_that_stalls_costs_the_member_timeout_once(tmp_path):
     """A member stopped (SIGSTOP: alive, silent) holds a broadcast at most weights.member_timeout_s; the group goes on
     without it."""
@@ -213,6 +215,7 @@ def test_a_member_that_stalls_costs_the_member_timeout_once(tmp_path):
             p.join(timeout=30)
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 @pytest.mark.parametrize("n", [1])
 def test_nothing_to_send_to_is_no_error(tmp_path, n):
     """Every member gone: updates are taken and dropped until one joins again."""
@@ -273,6 +276,7 @@ def _in_place_follower(run_root, member, out, hold_s):
         out.put(("error", member, f"{type(e).__name__}: {e}", traceback.format_exc()))
 
 
+@pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 def test_a_member_loading_in_place_takes_each_update_between_generations_with_two_buckets_of_memory(tmp_path):
     """weights.receive=in_place: an update lands only while the worker does not hold its gate (never under a
     generation), bucket by bucket into the engine's own tensors, with two bucket-sized buffers instead of a second
