@@ -8,6 +8,7 @@ seconds (setup, call and teardown together). docs/testing.md explains the tiers 
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 
@@ -17,9 +18,7 @@ def main(args):
     for arg in args:
         name, _, path = arg.partition("=")
         phase = [json.loads(x) for x in Path(path).read_text().splitlines()] if Path(path).exists() else []
-        outcomes = {}
-        for r in phase:
-            outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+        outcomes = Counter(r["outcome"] for r in phase)
         seconds = sum(r["seconds"] for r in phase)
         counts = ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())) or "no test"
         print(f"{name:>12}: {seconds:7.0f} s of tests ({seconds / 60:4.1f} min), {counts}")

@@ -43,7 +43,7 @@ def pytest_configure(config):
     global _config
     _config = config
     # Rank processes of the trainer-math tests start from a fork server that has imported torch, transformers and the
-    # trainer once (tests/test_trainer_math.py RANKS): seconds of imports saved per process, hundreds per run.
+    # trainer once (tests/test_trainer_math.py CTX): seconds of imports saved per process, hundreds per run.
     multiprocessing.set_forkserver_preload(["torch", "transformers", "rlhpc.train.trainer", "rlhpc.train.optim",
                                             "test_trainer_math"])
     # Read once and kept from the processes the tests start (a test that runs pytest must not write into CI's record).
@@ -53,8 +53,9 @@ def pytest_configure(config):
 
 def _named_on_the_command_line(config) -> bool:
     """Files or test ids typed by the user run whatever their markers; the bare command runs the default tier."""
+    tests = Path(config.rootpath, "tests").resolve()
     return config.args_source == pytest.Config.ArgsSource.ARGS and any(
-        a for a in config.args if not Path(a.split("::")[0]).resolve() == Path(config.rootpath, "tests").resolve())
+        Path(a.split("::")[0]).resolve() != tests for a in config.args)
 
 
 def pytest_collection_modifyitems(config, items):
