@@ -245,6 +245,10 @@ def check_env(cfg: Config) -> None:
 
 
 def check_loss(cfg: Config) -> None:
+    from rlhpc.algo import checks
+
+    if cfg.algo.name in checks.LOSSES:  # a built-in: importing the losses (and torch) would only confirm it
+        return
     from rlhpc.algo import loss
 
     try:

@@ -6,6 +6,7 @@ scalar at a time, with Python's math where no gradient is needed. A second, outs
 """
 
 import math
+import subprocess
 import sys
 import textwrap
 from collections import defaultdict
@@ -349,6 +350,23 @@ def test_a_correction_applies_to_a_loss_named_by_import_path(user_losses):
 def test_an_unknown_loss_names_the_key_and_the_known_losses():
     with pytest.raises(ValueError, match=r"algo.name.*aipo, cispo, dapo, dr_grpo, grpo, gspo"):
         loss.get("ppo")
+
+
+def test_the_launchers_torch_free_list_of_losses_is_the_registered_one():
+    from rlhpc.algo import checks
+
+    assert list(checks.LOSSES) == loss.names()
+
+
+def test_validating_a_config_imports_no_torch():
+    """The launcher checks a config (and refuses a bad key) before it starts anything: torch is not imported for it."""
+    code = ("import sys, rlhpc.algo, rlhpc.preflight\n"
+            "from rlhpc.config import Config, validate\n"
+            "cfg = Config(); validate(cfg); rlhpc.preflight.check_loss(cfg)\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
 
 
 def test_a_loss_path_that_does_not_import_names_the_key():

@@ -7,14 +7,12 @@ carries no learning signal and is dropped before publishing. docs/algorithms.md 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from rlhpc.algo import checks
 from rlhpc.config import AlgoConfig
-from rlhpc.config import need as config_need
 
-BASELINES = ("mean", "loo")
+BASELINES = checks.BASELINES
 
 
 def shaped_rewards(
@@ -57,14 +55,4 @@ def keep_group(rewards: torch.Tensor, cfg: AlgoConfig) -> bool:
     return not cfg.dynamic_sampling or bool(rewards.max() > rewards.min())
 
 
-def check(cfg: AlgoConfig) -> None:
-    """Checks the advantage keys of `algo`, for config.validate to call before anything starts; raises ConfigError
-    naming the key."""
-
-    def need(ok: bool, key: str, msg: str) -> None:
-        config_need(ok, f"algo.{key}", msg)
-
-    need(cfg.baseline in BASELINES, "baseline", f"{cfg.baseline!r} is not one of {', '.join(BASELINES)}")
-    buffer = cfg.overlong_buffer
-    need(0 <= buffer <= 1, "overlong_buffer", f"is a fraction of env.max_new_tokens, in [0, 1] (got {buffer})")
-    need(0 <= cfg.length_penalty < math.inf, "length_penalty", f"must be finite and >= 0 (got {cfg.length_penalty})")
+check = checks.advantage_keys

@@ -22,8 +22,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from rlhpc.algo import checks
 from rlhpc.config import AlgoConfig
-from rlhpc.config import need as config_need
 
 
 @dataclass
@@ -47,9 +47,7 @@ class LossOutputs:
 LossFn = Callable[[LossInputs, AlgoConfig], LossOutputs]
 _REGISTRY: Dict[str, LossFn] = {}
 
-NORMALIZE = ("token", "sequence", "constant")
-IS_LEVELS = ("none", "token", "sequence")
-IS_MODES = ("truncate", "mask")
+NORMALIZE, IS_LEVELS, IS_MODES = checks.NORMALIZE, checks.IS_LEVELS, checks.IS_MODES
 
 
 def register(*names: str) -> Callable[[LossFn], LossFn]:
@@ -270,21 +268,4 @@ def token_weights(
     raise ValueError(f"config key `algo.normalize`: {normalize!r} is not one of {', '.join(NORMALIZE)}")
 
 
-def check(cfg: AlgoConfig) -> None:
-    """Checks the loss keys of `algo`, for config.validate to call before anything starts (the objective calls it
-    too); raises ConfigError naming the key."""
-
-    def need(ok: bool, key: str, msg: str) -> None:
-        config_need(ok, f"algo.{key}", msg)
-
-    need(cfg.normalize in NORMALIZE, "normalize", f"{cfg.normalize!r} is not one of {', '.join(NORMALIZE)}")
-    need(cfg.is_level in IS_LEVELS, "is_level", f"{cfg.is_level!r} is not one of {', '.join(IS_LEVELS)}")
-    need(cfg.is_mode in IS_MODES, "is_mode", f"{cfg.is_mode!r} is not one of {', '.join(IS_MODES)}")
-    need(0 <= cfg.is_low < cfg.is_high, "is_low", f"needs 0 <= is_low < is_high (got {cfg.is_low}, {cfg.is_high})")
-    need(0 <= cfg.clip_low <= 1, "clip_low", f"must be in [0, 1] (got {cfg.clip_low})")
-    need(cfg.clip_high >= 0, "clip_high", f"must be >= 0 (got {cfg.clip_high})")
-    need(cfg.aipo_delta > 0, "aipo_delta", f"must be > 0 (got {cfg.aipo_delta})")
-    # Coefficients multiply every token's term: an infinite one makes every step's loss non-finite.
-    need(0 <= cfg.ref_kl_coef < math.inf, "ref_kl_coef", f"must be finite and >= 0 (got {cfg.ref_kl_coef})")
-    need(0 <= cfg.inference_kl_coef < math.inf, "inference_kl_coef",
-         f"must be finite and >= 0 (got {cfg.inference_kl_coef})")
+check = checks.loss_keys

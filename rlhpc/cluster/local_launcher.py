@@ -44,9 +44,7 @@ def local_gpus(cfg: Config, role: str, rank: int, visible: List[str] | None = No
         if from_env is not None:
             visible = [d for d in from_env.split(",") if d.strip()]
         else:
-            import torch
-
-            visible = [str(i) for i in range(torch.cuda.device_count())]  # NVML: creates no CUDA context
+            visible = [str(i) for i in range(_device_count())]
     if not visible:
         return {}
     if role == "trainer":
@@ -58,6 +56,16 @@ def local_gpus(cfg: Config, role: str, rank: int, visible: List[str] | None = No
     first = cfg.trainer.num_ranks + rank * tp
     mine = [visible[(first + i) % len(visible)] for i in range(min(tp, len(visible)))]
     return {"CUDA_VISIBLE_DEVICES": ",".join(mine), "LOCAL_RANK": "0"}
+
+
+def _device_count() -> int:
+    """The GPUs of this machine. Without a GPU's device files (NVIDIA, AMD, WSL) there are none, and the launcher of a
+    CPU run does not import torch to learn it (seconds of its start)."""
+    if not any(os.path.exists(f) for f in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()  # NVML: creates no CUDA context
 
 
 class LocalLauncher:
