@@ -13,11 +13,13 @@
 import json
 import multiprocessing
 import os
+import resource
 import signal
 import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -75,6 +77,16 @@ def pytest_collection_modifyitems(config, items):
 
 _seconds = defaultdict(float)  # test id -> setup + call + teardown
 _outcome = {}  # test id -> "failed" | "skipped" (absent: passed)
+_cpu_start = {}  # test id -> CPU seconds of this process and its waited-for children when the test started
+
+
+def _cpu_seconds():
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _cpu_start[nodeid] = _cpu_seconds()
 
 
 def pytest_runtest_logreport(report):
@@ -91,7 +103,10 @@ def pytest_runtest_logfinish(nodeid, location):
     if record:
         with open(record, "a") as f:
             f.write(json.dumps({"id": nodeid, "outcome": _outcome.get(nodeid, "passed"),
-                                "seconds": round(_seconds[nodeid], 3)}) + "\n")
+                                "seconds": round(_seconds[nodeid], 3),
+                                # CPU time of the processes the test waited for (a process it left running is not
+                                # counted): over the seconds, how much of the machine the test kept busy.
+                                "cpu_seconds": round(_cpu_seconds() - _cpu_start.pop(nodeid, 0.0), 3)}) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -115,14 +130,28 @@ def pytest_sessionfinish(session, exitstatus):
 # ---- a model that knows the task, built once per test run ---------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def quickstart_sft_model(tmp_path_factory):
-    """The quick start's SFT model (`+exp=reverse_text trainer.steps=0`: SFT to partial competence, no RL step), built
-    once per test run and shared by every test that needs "a model that knows the task" and RL from it (model.path):
-    the chaos runs and their calm reference, the full-disk run, the vLLM quick start."""
-    from rlhpc.cluster.chaos import warm_start
+# The quick start as the README runs it, at reduced size: SFT to partial competence, then 120 asynchronous RL steps.
+QUICK_START = ["+exp=reverse_text", "trainer.steps=120", "eval.interval=40", "launcher.progress=false"]
 
-    return warm_start(tmp_path_factory.mktemp("quickstart-sft") / "run")
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory):
+    """One run of the quick start (QUICK_START) per test run, as a user runs it: tests/test_quickstart.py checks what
+    it shows. Its warm-started model is `quickstart_sft_model`."""
+    run_dir = tmp_path_factory.mktemp("quickstart") / "run"
+    proc = subprocess.run([sys.executable, "-m", "rlhpc.launch", *QUICK_START, f"run_dir={run_dir}"],
+                          capture_output=True, text=True, timeout=900)
+    return SimpleNamespace(run_dir=run_dir, returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr)
+
+
+@pytest.fixture(scope="session")
+def quickstart_sft_model(quickstart_run):
+    """The quick start's SFT model: run_dir/model of `quickstart_run`, which only the warm start writes (RL's weights
+    go to the workers and to checkpoints/). Shared by every test that needs "a model that knows the task" and starts
+    RL from it (model.path): the chaos runs and their calm reference, the full-disk run, the vLLM quick start, the
+    verifiers quick start. One SFT per test run instead of one per test."""
+    assert quickstart_run.returncode == 0, f"the quick start failed:\n{quickstart_run.stderr[-3000:]}"
+    return quickstart_run.run_dir / "model"
 
 
 # ---- the chaos tests' reference (tests/test_chaos.py, tests/test_chaos_slurm.py) ----------------------------------

@@ -12,13 +12,9 @@ from test_launch import alarming_logs
 
 
 @pytest.mark.slow
-def test_the_quick_start_learns_and_rl_raises_held_out_reward(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlhpc.launch", "+exp=reverse_text", f"run_dir={run_dir}", "trainer.steps=120",
-         "eval.interval=40", "launcher.progress=false"],
-        capture_output=True, text=True, timeout=900,
-    )
+def test_the_quick_start_learns_and_rl_raises_held_out_reward(quickstart_run):
+    """The quick start's run (tests/conftest.py QUICK_START, shared with the tests that start RL from its SFT model)."""
+    run_dir, proc = quickstart_run.run_dir, quickstart_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     # SFT stops at partial competence; RL, not SFT, earns the gain. Measured with transformers on a 2-core machine
