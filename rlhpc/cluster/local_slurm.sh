@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # local_slurm.sh — a real Slurm cluster on one machine, for trying rlhpc's Slurm path on a laptop or CI box.
 #
+#   local_slurm.sh install  only install the packages 'up' needs (if missing); starts nothing
 #   local_slurm.sh up       install (if missing) and start munged, MariaDB, slurmdbd, slurmctld, N slurmd's, a waker
 #   local_slurm.sh down     cancel all jobs, stop exactly the processes 'up' started, wait until they are gone
 #   local_slurm.sh status   show what runs (exit 0: up, 1: partly up, 3: down)
@@ -642,12 +643,13 @@ cmd_status() {
 }
 
 case "${1:-}" in
+install) ensure_packages ;;
 up) cmd_up ;;
 down) cmd_down ;;
 status) cmd_status ;;
 purge) cmd_purge ;;
 *)
-    echo "usage: $0 up|down|status|purge" >&2
+    echo "usage: $0 install|up|down|status|purge" >&2
     exit 2
     ;;
 esac
