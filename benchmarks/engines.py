@@ -38,8 +38,8 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # before torch starts its pool
     import torch
 
-    from rlhpc import models
-    from rlhpc.config import InferenceConfig, ModelConfig
+    from rlhpc.modeling import models
+    from rlhpc.config.schema import InferenceConfig, ModelConfig
     from rlhpc.infer.engines import make_engine
 
     torch.set_num_threads(args.threads)

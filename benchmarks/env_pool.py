@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlhpc import models  # noqa: E402
-from rlhpc.config import EnvConfig, ModelConfig  # noqa: E402
+from rlhpc.modeling import models  # noqa: E402
+from rlhpc.config.schema import EnvConfig, ModelConfig  # noqa: E402
 from rlhpc.env import load  # noqa: E402
 from rlhpc.env.episode import Renderer, run_episodes  # noqa: E402
 from rlhpc.env.pool import EnvPool  # noqa: E402

@@ -31,8 +31,8 @@ def main() -> None:
 
     import httpx
 
-    from rlhpc import models
-    from rlhpc.config import ModelConfig
+    from rlhpc.modeling import models
+    from rlhpc.config.schema import ModelConfig
     from rlhpc.env.episode import Renderer
     from rlhpc.infer.engines.hf import HFEngine
     from rlhpc.infer.server import Server, context_length

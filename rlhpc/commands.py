@@ -4,8 +4,8 @@ exit codes, made from the typed config and the entry points themselves, so that 
     python -m rlhpc.commands                              # the reference as Markdown
     python -m rlhpc.commands --write docs/commands.md     # what tests/test_commands.py compares docs/commands.md with
 
-A key's meaning is the comment right above its field in the dataclass that declares it (rlhpc/config.py; rlhpc/eval.py
-for the eval command's own keys); a line `---- ... ----` there heads the keys below it instead. A section's meaning is
+A key's meaning is the comment right above its field in the dataclass that declares it (rlhpc/config/schema.py;
+rlhpc/eval.py for the eval command's own keys); a line `---- ... ----` there heads the keys below it instead. A section's meaning is
 its dataclass's docstring, else the comment above its field. A command's description is its module's docstring, its
 exit codes the module's EXIT_CODES. `--help` of every entry point prints `page(name)`.
 """
@@ -29,7 +29,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from omegaconf import MISSING, OmegaConf
 
-from rlhpc.config import CONF_DIR
+from rlhpc.config.schema import CONF_DIR
 
 WIDTH = 120  # of --help pages and of docs/commands.md's prose
 UNLISTED = "An error not listed here ends with its traceback and exit code 1."
@@ -44,7 +44,7 @@ class Command:
     #                                   () for a command that takes no config (argparse)
     words: str = ""  # what follows the script on every command line of this command
     described_in: str = ""  # the module of its docstring and EXIT_CODES, when not the entry's
-    schema: str = "rlhpc.config:Config"
+    schema: str = "rlhpc.config.schema:Config"
     args: str = "[group=option ...] [key=value ...]"
     presets: bool = True  # takes whole experiments (+exp=<name>)
 
@@ -155,7 +155,7 @@ def _type(annotation: Any) -> str:
     return {"Dict": "dict", "List": "list"}.get(text.partition("[")[0], text)
 
 
-def sections(schema: str = "rlhpc.config:Config") -> List[Section]:
+def sections(schema: str = "rlhpc.config.schema:Config") -> List[Section]:
     """Every key of a schema with its type, default (the dataclasses' own, nested sections' included) and meaning, by
     section: the top-level keys first, then each section before the sections inside it."""
     out: List[Section] = []
@@ -179,7 +179,7 @@ def sections(schema: str = "rlhpc.config:Config") -> List[Section]:
     return out
 
 
-def keys(schema: str = "rlhpc.config:Config") -> List[Key]:
+def keys(schema: str = "rlhpc.config.schema:Config") -> List[Key]:
     return [k for s in sections(schema) for k in s.keys]
 
 
@@ -349,14 +349,14 @@ def markdown() -> str:
     out = [
         "# Commands",
         "",
-        "<!-- Made by `python -m rlhpc.commands --write docs/commands.md` from rlhpc/config.py and the entry points; "
-        "tests/test_commands.py fails when this page differs: change those, then run it again. -->",
+        "<!-- Made by `python -m rlhpc.commands --write docs/commands.md` from rlhpc/config/schema.py and the entry "
+        "points; tests/test_commands.py fails when this page differs: change those, then run it again. -->",
         "",
         "Every command of rlhpc: what it does, the config groups and keys it reads (type, default, meaning) and its "
         "exit codes. `--help` (or `-h`) of each prints the same, from the same source: the typed config "
-        "(rlhpc/config.py) and the commands' own modules. The commands that take a config compose it with Hydra from "
-        "`conf/` and the command line (`group=name`, `key=value`, `+exp=<name>`); `--hydra-help` shows Hydra's own "
-        "flags (`-m` for a sweep, `--cfg job` to print the composed config). " + UNLISTED,
+        "(rlhpc/config/schema.py) and the commands' own modules. The commands that take a config compose it with Hydra "
+        "from `conf/` and the command line (`group=name`, `key=value`, `+exp=<name>`); `--hydra-help` shows Hydra's "
+        "own flags (`-m` for a sweep, `--cfg job` to print the composed config). " + UNLISTED,
         "",
         "| command | what it does |",
         "|---|---|",
@@ -393,8 +393,8 @@ def markdown() -> str:
     for g, options in groups().items():
         how, default = _choice(g)
         out.append(f"| `{g}` | `{how}` | {default} | {', '.join(options)} |")
-    out += ["", "## Keys", "", "Every key of the typed config (rlhpc/config.py) with the default of its dataclass; a "
-            "group's option (`model=...`, `env=...`) or `+exp=...` may set another.", ""]
+    out += ["", "## Keys", "", "Every key of the typed config (rlhpc/config/schema.py) with the default of its "
+            "dataclass; a group's option (`model=...`, `env=...`) or `+exp=...` may set another.", ""]
     for s in sections():
         out += [f"### {_section_heading(s)}", ""]
         if s.meaning:

@@ -40,7 +40,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-from rlhpc.config import Config, ConfigError, EvalConfig, need
+from rlhpc.config.schema import Config, ConfigError, EvalConfig, need
 
 log = logging.getLogger("rlhpc.eval")
 
@@ -97,7 +97,7 @@ def check_report(report: str) -> None:
     """Where the report goes can be written once the evaluation is done: `eval.report` is not a folder, and the nearest
     of its folders that exists takes a new file (the missing ones are created with the report); without eval.report,
     the current folder takes one."""
-    from rlhpc.preflight import one_line
+    from rlhpc.preflight.checks import one_line
 
     if report:
         path = Path(report)
@@ -159,8 +159,8 @@ def summary(out: Dict[str, Any]) -> str:
 
 def served_tokenizer(path: str | None, key: str):
     """The tokenizer of a served model's folder: all an evaluation against a running server needs of it (no weights)."""
-    from rlhpc import models
-    from rlhpc.preflight import TOKENIZER_FILES, one_line
+    from rlhpc.modeling import models
+    from rlhpc.preflight.checks import TOKENIZER_FILES, one_line
 
     hint = " (the served model's folder; set model.path to a copy of it)" if key == "eval.run" else ""
     if not path:
@@ -212,7 +212,7 @@ def report(tasks: Sequence[Any], sampled: List[List[Any]], greedy: List[List[Any
 def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
     import httpx
 
-    from rlhpc import preflight
+    from rlhpc.preflight import checks as preflight
 
     e = cfg.eval
     server, scratch = None, None
@@ -220,7 +220,7 @@ def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
     if cfg.model.path and not (e.run or e.endpoint):
         preflight.check_model(cfg, trainer=False)  # a path that is no folder: said before the imports below
     from rlhpc import env as env_mod
-    from rlhpc import models
+    from rlhpc.modeling import models
     from rlhpc.env.pool import EnvPool
     from rlhpc.infer.engines.remote import RemoteEngine, RemoteEngineError
     from rlhpc.infer.rollout import episodes
@@ -301,11 +301,11 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
-    from rlhpc import config as config_mod
-    from rlhpc import preflight
+    from rlhpc.config import schema as config_mod
+    from rlhpc.preflight import checks as preflight
     from rlhpc.commands import exit_on_help
-    from rlhpc.config import CONF_DIR
-    from rlhpc.rundir import write_json
+    from rlhpc.config.schema import CONF_DIR
+    from rlhpc.run.rundir import write_json
 
     exit_on_help("eval", sys.argv[1:])
     # The run's schema with the eval command's keys: a wrong key still fails at composition, naming it.

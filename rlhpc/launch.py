@@ -1,9 +1,9 @@
 """`python -m rlhpc.launch +exp=reverse_text [key=value ...]`: compose, check, write the run directory, start the roles.
 
-The config is composed by Hydra on top of the typed schema (rlhpc.config), so a wrong key or type fails here, before
-any process starts; then the model, the environment and the loss are checked (rlhpc.preflight). Every such error is
-one line that names the config key. The launcher (`launcher=local|slurm|sbatch`) then starts the same role entry point
-everywhere.
+The config is composed by Hydra on top of the typed schema (rlhpc.config.schema), so a wrong key or type fails here,
+before any process starts; then the model, the environment and the loss are checked (rlhpc.preflight.checks). Every
+such error is one line that names the config key. The launcher (`launcher=local|slurm|sbatch`) then starts the same
+role entry point everywhere.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Any, List, Optional
 
 from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
 from rlhpc import commands
-from rlhpc import config as config_mod
-from rlhpc import preflight
+from rlhpc.config import schema as config_mod
+from rlhpc.preflight import checks as preflight
 from rlhpc.cluster import memory
-from rlhpc.config import CONF_DIR, Config, ConfigError
-from rlhpc.preflight import RunDirError, config_key_error, prepare_run_dir
-from rlhpc.procs import STOP_SIGNALS, exit_code
-from rlhpc.rundir import RunDir, read_json, resume_command
+from rlhpc.config.schema import CONF_DIR, Config, ConfigError
+from rlhpc.preflight.checks import RunDirError, config_key_error, prepare_run_dir
+from rlhpc.run.procs import STOP_SIGNALS, exit_code
+from rlhpc.run.rundir import RunDir, read_json, resume_command
 
 
 def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = False) -> int:

@@ -29,16 +29,16 @@ def main() -> None:
 
     exit_on_help("sft", sys.argv[1:])
     from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
-    from rlhpc import config as config_mod
+    from rlhpc.config import schema as config_mod
     from rlhpc import env as env_mod
-    from rlhpc import models
+    from rlhpc.modeling import models
     from rlhpc.infer.engines.hf import HFEngine
     from rlhpc.infer.rollout import evaluate
-    from rlhpc.config import CONF_DIR
-    from rlhpc import preflight
-    from rlhpc.preflight import RunDirError, prepare_run_dir
-    from rlhpc.rundir import RunDir, write_json
-    from rlhpc.train.evaluation import heldout_tasks
+    from rlhpc.config.schema import CONF_DIR
+    from rlhpc.preflight import checks as preflight
+    from rlhpc.preflight.checks import RunDirError, prepare_run_dir
+    from rlhpc.run.rundir import RunDir, write_json
+    from rlhpc.run.evaluation import heldout_tasks
     from rlhpc.train.warmstart import sft_train
 
     config_mod.register()

@@ -35,7 +35,7 @@ def pytest_configure(config):
     """The tests stop rlhpc's commands as a user does (Ctrl-C, a closed terminal) and check that each one ends what it
     started. A shell that runs the suite in the background without job control starts it ignoring SIGINT, `nohup`
     ignoring SIGHUP, and an ignored signal stays ignored in every process started from here, where rlhpc's commands
-    rightly leave it so (rlhpc.procs.on_stop_signals). The suite puts both back to what a terminal's shell gives."""
+    rightly leave it so (rlhpc.run.procs.on_stop_signals). The suite puts both back to what a terminal's shell gives."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
@@ -120,7 +120,7 @@ def quickstart_sft_model(tmp_path_factory):
     """The quick start's SFT model (`+exp=reverse_text trainer.steps=0`: SFT to partial competence, no RL step), built
     once per test run and shared by every test that needs "a model that knows the task" and RL from it (model.path):
     the chaos runs and their calm reference, the full-disk run, the vLLM quick start."""
-    from rlhpc.cluster.chaos import warm_start
+    from faults import warm_start
 
     return warm_start(tmp_path_factory.mktemp("quickstart-sft") / "run")
 
@@ -133,7 +133,7 @@ CHAOS_STEPS, CHAOS_CHECKPOINT = 70, 10
 @pytest.fixture(scope="session")
 def chaos_calm(tmp_path_factory, quickstart_sft_model):
     """An undisturbed local run with the chaos runs' settings and seed: {"sft": .., "rl": ..} held-out rewards."""
-    from rlhpc.cluster.chaos import heldout, rl_overrides
+    from faults import heldout, rl_overrides
 
     run_dir = tmp_path_factory.mktemp("chaos-calm") / "run"
     calm = subprocess.run([sys.executable, "-m", "rlhpc.launch",

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhpc import models
-from rlhpc.config import EnvConfig, ModelConfig
+from rlhpc.modeling import models
+from rlhpc.config.schema import EnvConfig, ModelConfig
 from rlhpc.env import load
 from rlhpc.env.episode import EnvironmentFailure, Renderer, check_failures, failures, run_episodes
 from rlhpc.env.pool import EnvPool

@@ -13,10 +13,11 @@ import pytest
 from omegaconf import OmegaConf
 
 import rlhpc.algo  # noqa: F401  (registers the algorithms' config checks)
-from rlhpc import config as config_mod
-from rlhpc import models, preflight
-from rlhpc.config import ConfigError, ModelConfig
-from rlhpc.preflight import RunDirError, prepare_run_dir
+from rlhpc.config import schema as config_mod
+from rlhpc.modeling import models
+from rlhpc.preflight import checks as preflight
+from rlhpc.config.schema import ConfigError, ModelConfig
+from rlhpc.preflight.checks import RunDirError, prepare_run_dir
 
 TESTS = Path(__file__).resolve().parent
 

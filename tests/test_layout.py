@@ -117,7 +117,7 @@ def test_roles_and_their_parts_never_import_a_launcher(folder):
 
 # What the inference role takes from the trainer's folder (docs/code-map.md): the held-out schedule and results, and
 # GLM-5's indexer, so that generation chooses the keys the trainer's forward chooses.
-INFER_FROM_TRAIN = {"rlhpc.train.evaluation", "rlhpc.train.sparse"}
+INFER_FROM_TRAIN = {"rlhpc.run.evaluation", "rlhpc.modeling.sparse"}
 
 
 def test_inference_takes_from_the_trainers_folder_only_what_the_code_map_names():
@@ -128,8 +128,8 @@ def test_inference_takes_from_the_trainers_folder_only_what_the_code_map_names()
 # The entry points of the role processes and of the standalone commands.
 ENTRY_POINTS = ["rlhpc.role", "rlhpc.sft", "rlhpc.serve", "rlhpc.eval"]
 # All they take from the launcher side: who a Slurm task is (read from Slurm's environment, not from a launcher). The
-# config folder and the run-directory setup they share with `rlhpc.launch` live in rlhpc.config and rlhpc.preflight.
-FROM_LAUNCHERS = {"rlhpc.cluster.slurm_identity.identity_from_slurm"}
+# config folder and the run-directory setup they share with `rlhpc.launch` live in rlhpc.config.schema and rlhpc.preflight.checks.
+FROM_LAUNCHERS = {"rlhpc.run.slurm_identity.identity_from_slurm"}
 
 
 def launcher_names(source: str) -> Set[str]:
@@ -155,8 +155,8 @@ def test_a_planted_launcher_import_is_found():
 
 
 def test_the_ground_floor_imports_no_concern_folder():
-    ground = {"rlhpc.config", "rlhpc.rundir", "rlhpc.metrics", "rlhpc.models", "rlhpc.names", "rlhpc.dtypes",
-              "rlhpc.procs", "rlhpc.identity", "rlhpc.stop", "rlhpc.summary", "rlhpc.plots"}
+    ground = {"rlhpc.config.schema", "rlhpc.run.rundir", "rlhpc.run.metrics", "rlhpc.modeling.models", "rlhpc.modeling.names", "rlhpc.modeling.dtypes",
+              "rlhpc.run.procs", "rlhpc.run.identity", "rlhpc.run.stop", "rlhpc.run.summary", "rlhpc.plots"}
     folders = ("rlhpc.train", "rlhpc.infer", "rlhpc.transport", "rlhpc.algo", "rlhpc.env", "rlhpc.cluster")
     g = graph()
     wrong = {m: sorted(d for d in g[m] if d.startswith(folders)) for m in ground if m in g}

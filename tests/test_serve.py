@@ -13,8 +13,8 @@ import pytest
 httpx = pytest.importorskip("httpx", reason="needs the serve extra: pip install -e '.[serve]'")
 import torch
 
-from rlhpc import models
-from rlhpc.config import ModelConfig
+from rlhpc.modeling import models
+from rlhpc.config.schema import ModelConfig
 from rlhpc.env.episode import Renderer
 from rlhpc.infer.batcher import SharedEngine
 from rlhpc.infer.engines import Completion, Engine

@@ -11,8 +11,8 @@ import pytest
 httpx = pytest.importorskip("httpx", reason="needs the serve extra: pip install -e '.[serve]'")
 import torch
 
-from rlhpc import models
-from rlhpc.config import InferenceConfig, ModelConfig
+from rlhpc.modeling import models
+from rlhpc.config.schema import InferenceConfig, ModelConfig
 from rlhpc.env.episode import Renderer
 from rlhpc.infer.engines import make_engine
 from rlhpc.infer.server import VERSION_HEADER, Server, context_length

@@ -10,12 +10,12 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from rlhpc import config as config_mod
+from rlhpc.config import schema as config_mod
 from rlhpc import env as env_mod
-from rlhpc import stop
-from rlhpc.metrics import Metrics, read_rows
-from rlhpc.rundir import RunDir
-from rlhpc.stop import Stop
+from rlhpc.run import stop
+from rlhpc.run.metrics import Metrics, read_rows
+from rlhpc.run.rundir import RunDir
+from rlhpc.run.stop import Stop
 from rlhpc.train.warmstart import warm_start
 
 SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1}
@@ -76,7 +76,7 @@ def test_a_stopped_warm_start_goes_on_from_its_saved_step_to_the_same_model(tmp_
 
 
 def sft_losses(run, rows=None):
-    """The SFT losses the run's metrics show (rlhpc.metrics.read_rows), or those of `rows`."""
+    """The SFT losses the run's metrics show (rlhpc.run.metrics.read_rows), or those of `rows`."""
     return [r["sft/loss"] for r in (read_rows(run, "trainer") if rows is None else rows) if "sft/loss" in r]
 
 

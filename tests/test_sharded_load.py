@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhpc import models
-from rlhpc.config import ModelConfig
-from rlhpc.procs import free_port
-from rlhpc.rundir import RunDir
+from rlhpc.modeling import models
+from rlhpc.config.schema import ModelConfig
+from rlhpc.run.procs import free_port
+from rlhpc.run.rundir import RunDir
 from test_trainer_math import _full, _trainer, make_batch
 
 MOE = ModelConfig(arch="qwen3_moe", hidden_size=64, intermediate_size=128, num_layers=2,
@@ -126,8 +126,8 @@ def _train_sharded(rank, world, port, root, stop_at, save, resume):
     first, so only the DCP checkpoint can make them right."""
     from rlhpc.train import checkpoint
     from rlhpc.train.trainer import Trainer
-    from rlhpc import config as config_mod
-    from rlhpc.identity import Identity
+    from rlhpc.config import schema as config_mod
+    from rlhpc.run.identity import Identity
 
     torch.manual_seed(0)
     root = Path(root)

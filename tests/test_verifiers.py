@@ -18,8 +18,8 @@ import pytest
 
 verifiers = pytest.importorskip("verifiers", reason="pip install -e '.[verifiers]'")
 
-from rlhpc import models  # noqa: E402
-from rlhpc.config import EnvConfig, ModelConfig  # noqa: E402
+from rlhpc.modeling import models  # noqa: E402
+from rlhpc.config.schema import EnvConfig, ModelConfig  # noqa: E402
 from rlhpc.env.base import load  # noqa: E402
 from rlhpc.env.pool import EnvPool  # noqa: E402
 from rlhpc.infer.engines import Completion, Engine  # noqa: E402

@@ -1,9 +1,9 @@
 """The algorithms: policy losses with off-policy corrections (loss) and group advantages (advantage).
 
-Importing this package registers their config checks with rlhpc.config.validate.
+Importing this package registers their config checks with rlhpc.config.schema.validate.
 """
 
-from rlhpc import config as _config
+from rlhpc.config import schema as _config
 from rlhpc.algo import advantage, loss
 
 _config.register_check("algo.loss", lambda cfg: loss.check(cfg.algo))

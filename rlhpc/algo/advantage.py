@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from rlhpc.config import AlgoConfig
-from rlhpc.config import need as config_need
+from rlhpc.config.schema import AlgoConfig
+from rlhpc.config.schema import need as config_need
 
 BASELINES = ("mean", "loo")
 

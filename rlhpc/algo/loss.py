@@ -22,8 +22,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from rlhpc.config import AlgoConfig
-from rlhpc.config import need as config_need
+from rlhpc.config.schema import AlgoConfig
+from rlhpc.config.schema import need as config_need
 
 
 @dataclass

@@ -29,11 +29,11 @@ from typing import Iterable, List, Optional
 
 from omegaconf import OmegaConf
 
-from rlhpc import config as config_mod
-from rlhpc import preflight
-from rlhpc.config import Config, ConfigError
-from rlhpc.procs import exit_code, on_stop_signals, tail
-from rlhpc.rundir import RunDir, read_json, write_json
+from rlhpc.config import schema as config_mod
+from rlhpc.preflight import checks as preflight
+from rlhpc.config.schema import Config, ConfigError
+from rlhpc.run.procs import exit_code, on_stop_signals, tail
+from rlhpc.run.rundir import RunDir, read_json, write_json
 
 # The command-line keys an attach may set (by their first part); the run's config.yaml decides every other.
 ATTACH_KEYS = ("inference", "launcher", "cluster", "run_dir", "attach", "dry_run", "log_level")
@@ -252,7 +252,7 @@ class LocalAttach:
 
 class SlurmAttach:
     """The K workers as one Slurm job of one component, running the same task loop as the run's own workers (their
-    restarts included): rlhpc.cluster.slurm_identity reads their ranks from RLHPC_ATTACH_RANKS."""
+    restarts included): rlhpc.run.slurm_identity reads their ranks from RLHPC_ATTACH_RANKS."""
 
     def __init__(self, a: Attachment):
         from rlhpc.cluster.hetjob import make_plan

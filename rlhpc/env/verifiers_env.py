@@ -127,7 +127,7 @@ class VerifiersEnvironment(Environment):
 
     def warm(self) -> None:
         if self.episode_processes:  # a process that will play episodes (the worker's own pool plays none)
-            importlib.import_module("rlhpc.models")  # the tokenizer loader (transformers), for `play`
+            importlib.import_module("rlhpc.modeling.models")  # the tokenizer loader (transformers), for `play`
             self.verifiers_env()
 
     def _all_tasks(self) -> List[Any]:
@@ -241,7 +241,7 @@ class VerifiersEnvironment(Environment):
 
     def _tokenizer(self, model_dir: str) -> Any:
         if model_dir not in self._tokenizers:
-            from rlhpc.models import load_tokenizer
+            from rlhpc.modeling.models import load_tokenizer
 
             self._tokenizers[model_dir] = load_tokenizer(model_dir)
         return self._tokenizers[model_dir]
@@ -295,7 +295,7 @@ class VerifiersEnvironment(Environment):
         server = self._server
         if server is None or engine not in (server.engine, server.engine.inner):
             from rlhpc.infer.server import Server, context_length, vocab_size
-            from rlhpc.models import load_tokenizer
+            from rlhpc.modeling.models import load_tokenizer
 
             self._close_server()  # one private server, over the engine in use (the trainer's warm start's is let go)
             server = self._server = Server(engine, load_tokenizer(model_dir), model_dir, context_length(model_dir),
@@ -315,7 +315,7 @@ class VerifiersEnvironment(Environment):
             from renderers import RendererConfig
 
             return TypeAdapter(RendererConfig).validate_python(dict(self.renderer))
-        from rlhpc.models import CHAT_TEMPLATE
+        from rlhpc.modeling.models import CHAT_TEMPLATE
 
         if getattr(tokenizer, "chat_template", None) == CHAT_TEMPLATE:
             extra = {"tool_parser": "qwen3"} if "<tool_call>" in tokenizer.get_vocab() else {}

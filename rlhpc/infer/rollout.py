@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlhpc.algo.advantage import group_advantages, keep_group
-from rlhpc.config import AlgoConfig, EnvConfig
+from rlhpc.config.schema import AlgoConfig, EnvConfig
 from rlhpc.env import Environment, Task
 from rlhpc.env.base import max_turns
 from rlhpc.env.episode import Episode, Renderer, check_failures, failures, run_episodes

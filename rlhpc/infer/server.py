@@ -48,8 +48,8 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 from rlhpc.infer.batcher import Batcher, Sampling, SharedEngine, ShuttingDown
 from rlhpc.infer.engines import Completion, Engine
-from rlhpc.rundir import RunDir, read_json, wait_for, write_json
-from rlhpc.procs import node_address as this_node_address
+from rlhpc.run.rundir import RunDir, read_json, wait_for, write_json
+from rlhpc.run.procs import node_address as this_node_address
 
 log = logging.getLogger(__name__)
 
@@ -768,7 +768,7 @@ def _deltas(tok, tokens: Sequence[int], text: str) -> List[str]:
 def bind(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (port 0: any free one), or a ConfigError naming the key to change: a port in use
     (inference.serve_port), a host that is no address of this node (inference.serve_host)."""
-    from rlhpc.config import ConfigError
+    from rlhpc.config.schema import ConfigError
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -873,7 +873,7 @@ def node_address(host: str = "") -> Tuple[str, str]:
 
 def start_server(cfg, engine: Engine, model_dir: str | Path, token: Optional[str], rank: int = 0) -> Server:
     """A server over `engine` as the config says (inference.serve_host, serve_port + rank, the model's name)."""
-    from rlhpc import models
+    from rlhpc.modeling import models
 
     inf = cfg.inference
     bind, published = node_address(inf.serve_host)
@@ -887,7 +887,7 @@ def start_server(cfg, engine: Engine, model_dir: str | Path, token: Optional[str
 
 def serve_worker(cfg, ident, run: RunDir, engine: Engine) -> Server:
     """The server of an inference worker (inference.serve=true): its engine, the run's token, the published address."""
-    from rlhpc.stop import Stop, stop_requested
+    from rlhpc.run.stop import Stop, stop_requested
 
     def abort() -> Optional[str]:
         if stop_requested():

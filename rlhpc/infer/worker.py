@@ -3,7 +3,7 @@
 Loop: take the newest weights received; if the queue already holds enough fresh groups, or these weights are too old
 for the step that would consume what we generate now, wait (never spin); otherwise generate a batch of groups, score
 them, compute advantages and publish one queue file. Worker 0 also measures the held-out reward of the weights it
-serves when an evaluation is owed (rlhpc/train/evaluation.py), between two generations.
+serves when an evaluation is owed (rlhpc/run/evaluation.py), between two generations.
 """
 
 from __future__ import annotations
@@ -16,20 +16,20 @@ from typing import Optional
 
 import torch
 
-from rlhpc import cores
+from rlhpc.run import cores
 from rlhpc import env as env_mod
-from rlhpc import models
-from rlhpc.config import Config
+from rlhpc.modeling import models
+from rlhpc.config.schema import Config
 from rlhpc.infer.engines import make_engine
 from rlhpc.infer.follower import leading
-from rlhpc.metrics import Metrics
+from rlhpc.run.metrics import Metrics
 from rlhpc.transport.queue import Queue
-from rlhpc.identity import Identity
-from rlhpc.stop import Stop, stop_requested
+from rlhpc.run.identity import Identity
+from rlhpc.run.stop import Stop, stop_requested
 from rlhpc.env.pool import EnvPool
 from rlhpc.infer.rollout import evaluate, generate_groups
-from rlhpc.rundir import Backoff, RunDir, wait_for
-from rlhpc.train.evaluation import eval_owed, heldout_tasks, read_curve, write_result
+from rlhpc.run.rundir import Backoff, RunDir, wait_for
+from rlhpc.run.evaluation import eval_owed, heldout_tasks, read_curve, write_result
 from rlhpc.transport.weights import (BroadcastReceiver, FilesystemReceiver, WeightsReceiver, latest_snapshot,
                                     load_snapshot)
 
@@ -189,7 +189,7 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
 
 def _lending(cfg: Config, run: RunDir, rank: int, engine):
     """This worker's idle mark, and the borrower of the trainer's threads while it waits for rollouts (the
-    transformers engine on the CPU only: vLLM runs its own threads), on one machine (rlhpc/cores.py)."""
+    transformers engine on the CPU only: vLLM runs its own threads), on one machine (rlhpc/run/cores.py)."""
     lend = cores.enabled(cfg)
     idle = cores.Idle(run, "inference", rank, cfg.inference.threads, enabled=lend)
     model = getattr(engine, "model", None)
@@ -209,7 +209,7 @@ def _check_idle(cfg: Config, rank: int, t_last: float, version: int, why: str) -
 
 class HeldoutEval:
     """Worker 0's held-out evaluation: greedy reward on the held-out tasks with this worker's engine, for each weights
-    version owed one (the schedule and the record: rlhpc/train/evaluation.py), written to run_dir/evals/."""
+    version owed one (the schedule and the record: rlhpc/run/evaluation.py), written to run_dir/evals/."""
 
     def __init__(self, cfg: Config, run: RunDir, env, pool: EnvPool, tokenizer):
         self.cfg, self.run, self.env, self.pool, self.tokenizer = cfg, run, env, pool, tokenizer
@@ -238,7 +238,7 @@ class HeldoutEval:
         eval_s = time.time() - t0
         if not self.evaluated and metrics.relaunched:
             # TensorBoard hides what an earlier life showed past the last result on record: results of versions that
-            # a run resumed from an older checkpoint trains again (rlhpc/train/evaluation.py discards their files;
+            # a run resumed from an older checkpoint trains again (rlhpc/run/evaluation.py discards their files;
             # the trainer does so before it publishes weights, so before this version reached the worker).
             metrics.purge_after("eval", done[-1] if done else -1)
         self.evaluated = True

@@ -16,8 +16,8 @@ from typing import Any, Dict, Optional, Set
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from rlhpc.config import ModelConfig
-from rlhpc.dtypes import dtype_of
+from rlhpc.config.schema import ModelConfig
+from rlhpc.modeling.dtypes import dtype_of
 
 log = logging.getLogger(__name__)
 

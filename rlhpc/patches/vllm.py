@@ -40,7 +40,7 @@ def check() -> None:
         raise RuntimeError(
             f"vLLM {vllm.__version__} lacks internals rlhpc's in-process engine relies on ({', '.join(missing)}); "
             f"rlhpc was checked against vLLM {', '.join(CHECKED_VERSIONS)}: install one of those "
-            f"(rlhpc/infer/engines/vllm_patches.py says what each patch is for)")
+            f"(rlhpc/patches/vllm.py says what each patch is for)")
 
 
 @contextlib.contextmanager

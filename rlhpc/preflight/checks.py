@@ -26,9 +26,9 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhpc import config as config_mod
-from rlhpc.config import Config, ConfigError
-from rlhpc.rundir import RunDir
+from rlhpc.config import schema as config_mod
+from rlhpc.config.schema import Config, ConfigError
+from rlhpc.run.rundir import RunDir
 
 
 def check(cfg: Config, model: bool = True) -> None:
@@ -48,12 +48,12 @@ def check(cfg: Config, model: bool = True) -> None:
 def check_model(cfg: Config, trainer: bool = True) -> None:
     """`model.path` (when set) holds a config and a tokenizer that load and belong together, and whole weights
     (`check_weights`); `trainer=False` (serving, evaluation) also accepts weights other than safetensors. Without
-    `model.path`, the model built in code builds and runs (rlhpc.models.built_model_problem)."""
+    `model.path`, the model built in code builds and runs (rlhpc.modeling.models.built_model_problem)."""
     path = cfg.model.path
     if path and not Path(path).is_dir():  # said before transformers is imported (~2.5 s)
         raise ConfigError(f"config key `model.path`: {path} is not a folder (a local Hugging Face checkpoint: "
                           f"config.json, tokenizer files, *.safetensors)")
-    from rlhpc import models
+    from rlhpc.modeling import models
 
     if not path:
         problem = models.built_model_problem(cfg.model)
@@ -527,7 +527,7 @@ def check_not_running(run: RunDir) -> None:
     job this process runs in excepted: sbatch/rlhpc.sbatch launches inside its job, again after a requeue), or roles
     of a local launch alive on this machine. Two runs in one directory would quarantine each other's rollouts and mix
     their logs and checkpoints."""
-    from rlhpc.cluster.slurm_jobs import FINAL, query, recorded_jobs
+    from rlhpc.run.slurm_jobs import FINAL, query, recorded_jobs
 
     own = os.environ.get("SLURM_JOB_ID")
     for entry in recorded_jobs(run, {}):
@@ -545,7 +545,7 @@ def check_not_running(run: RunDir) -> None:
 
 def check_resume(run: RunDir, cfg: Config) -> None:
     """An unfinished run that has trained (a warm-started model, a stopped warm start's state or a checkpoint) resumes
-    only with the config it trained with, as far as training goes (rlhpc.preflight.RUNTIME_KEYS may change)."""
+    only with the config it trained with, as far as training goes (rlhpc.preflight.checks.RUNTIME_KEYS may change)."""
     from omegaconf import OmegaConf
 
     if not ((run.model / "READY").exists() or (run.checkpoints / "latest.json").exists()

@@ -9,7 +9,7 @@ import torch
 
 # Models whose attention does not follow a packed row's mask as a sample alone would: DeepSeek-V3.2's sparse attention
 # picks its keys with an indexer whose ties fall by position (GLM-5's, the same kind, packs with the trainer's
-# order-stable indexer: rlhpc/train/sparse.py). Their samples are padded one per row whatever trainer.packing says.
+# order-stable indexer: rlhpc/modeling/sparse.py). Their samples are padded one per row whatever trainer.packing says.
 NO_CUSTOM_MASK = ("deepseek_v32",)
 
 ATTENTION = "rlhpc"  # the attention implementation of a model that takes packed rows by their segments (attention.py)

@@ -29,8 +29,8 @@ import contextlib
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from rlhpc.config import TrainerConfig
-from rlhpc.dtypes import dtype_of
+from rlhpc.config.schema import TrainerConfig
+from rlhpc.modeling.dtypes import dtype_of
 
 
 def master_dtype(cfg: TrainerConfig) -> torch.dtype:

@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from rlhpc.algo import loss as loss_mod
 from rlhpc.algo.loss import LossInputs
-from rlhpc.config import Config
+from rlhpc.config.schema import Config
 from rlhpc.train import attention, context
-from rlhpc.train import sparse
+from rlhpc.modeling import sparse
 from rlhpc.train.batching import (ATTENTION, NO_CUSTOM_MASK, Packed, balance_ranks, pack, packed_logprobs, pad,
                                   plan_micro_batches, plan_rows, token_logprobs)
 from rlhpc.train.experts import RouterBalance
@@ -28,7 +28,7 @@ from rlhpc.transport.queue import RolloutBatch
 
 def packs(model: torch.nn.Module) -> bool:
     """Whether `model` can take packed rows: attention that applies a 4-D mask (sdpa, eager) and no sparse selection,
-    or GLM-5's once its indexer chooses among tied keys by order (rlhpc/train/sparse.py)."""
+    or GLM-5's once its indexer chooses among tied keys by order (rlhpc/modeling/sparse.py)."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     return (model_type not in NO_CUSTOM_MASK

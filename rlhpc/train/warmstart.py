@@ -24,17 +24,17 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from rlhpc import models
+from rlhpc.modeling import models
 from rlhpc.train.batching import pad, token_logprobs
-from rlhpc.config import Config
+from rlhpc.config.schema import Config
 from rlhpc.env import Environment
 from rlhpc.env.episode import Renderer
 from rlhpc.infer.engines.hf import HFEngine
 from rlhpc.infer.rollout import evaluate
-from rlhpc.metrics import Metrics
-from rlhpc.rundir import RunDir, read_json, wait_for, write_json
-from rlhpc.stop import Stop, stop_requested
-from rlhpc.train.evaluation import heldout_tasks, write_result
+from rlhpc.run.metrics import Metrics
+from rlhpc.run.rundir import RunDir, read_json, wait_for, write_json
+from rlhpc.run.stop import Stop, stop_requested
+from rlhpc.run.evaluation import heldout_tasks, write_result
 from rlhpc.train.optim import make_optimizer
 
 log = logging.getLogger(__name__)

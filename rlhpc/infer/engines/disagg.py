@@ -42,10 +42,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from rlhpc.config import DisaggregationConfig, InferenceConfig
+from rlhpc.config.schema import DisaggregationConfig, InferenceConfig
 from rlhpc.infer.engines import Completion, Engine
 from rlhpc.infer.engines.vllm import VLLMEngine, _gpu_pin_devices, vllm_files
-from rlhpc.procs import free_port
+from rlhpc.run.procs import free_port
 
 log = logging.getLogger(__name__)
 
