@@ -97,7 +97,7 @@ def check_report(report: str) -> None:
     """Where the report goes can be written once the evaluation is done: `eval.report` is not a folder, and the nearest
     of its folders that exists takes a new file (the missing ones are created with the report); without eval.report,
     the current folder takes one."""
-    from rlhpc.preflight.checks import one_line
+    from rlhpc.config.errors import one_line
 
     if report:
         path = Path(report)
@@ -160,7 +160,8 @@ def summary(out: Dict[str, Any]) -> str:
 def served_tokenizer(path: str | None, key: str):
     """The tokenizer of a served model's folder: all an evaluation against a running server needs of it (no weights)."""
     from rlhpc.modeling import models
-    from rlhpc.preflight.checks import TOKENIZER_FILES, one_line
+    from rlhpc.config.errors import one_line
+    from rlhpc.preflight.checks import TOKENIZER_FILES
 
     hint = " (the served model's folder; set model.path to a copy of it)" if key == "eval.run" else ""
     if not path:
@@ -267,7 +268,7 @@ def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
         except (httpx.TransportError, RemoteEngineError) as err:
             # A server killed or stopped mid-evaluation (or failing a request): one line, not a traceback per thread.
             which = f"`{key}`" if key else "the server started here over model.path"
-            problem = (f"the server at {url} stopped answering: {preflight.one_line(err)}"
+            problem = (f"the server at {url} stopped answering: {one_line(err)}"
                        if isinstance(err, httpx.TransportError) else str(err))
             raise ServerFailed(f"{which}: {problem} (no report)") from None
         finally:
@@ -302,15 +303,15 @@ def main() -> None:
 
     from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
     from rlhpc.config import schema as config_mod
-    from rlhpc.preflight import checks as preflight
     from rlhpc.commands import exit_on_help
+    from rlhpc.config.errors import exit_on_composition_error, one_line
     from rlhpc.config.schema import CONF_DIR
     from rlhpc.run.rundir import write_json
 
     exit_on_help("eval", sys.argv[1:])
     # The run's schema with the eval command's keys: a wrong key still fails at composition, naming it.
     ConfigStore.instance().store(name="rlhpc_schema", node=EvalCommandConfig)
-    preflight.exit_on_composition_error(sys.argv[1:], typed=lambda dcfg: OmegaConf.to_object(
+    exit_on_composition_error(sys.argv[1:], typed=lambda dcfg: OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(EvalCommandConfig), dcfg)))
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
@@ -345,7 +346,7 @@ def main() -> None:
             # The evaluation is not lost: the report goes to stdout instead.
             print(json.dumps(out, indent=1), flush=True)
             print(f"error: config key `eval.report`: the report (printed above) was not written: "
-                  f"{preflight.one_line(e)}", file=sys.stderr)
+                  f"{one_line(e)}", file=sys.stderr)
             sys.exit(1)
         print(f"report: {written}")
 

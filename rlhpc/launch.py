@@ -17,9 +17,11 @@ from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
 from rlhpc import commands
 from rlhpc.config import schema as config_mod
 from rlhpc.preflight import checks as preflight
+from rlhpc.preflight import rundir as run_setup
 from rlhpc.cluster import memory
+from rlhpc.config.errors import config_key_error, exit_on_composition_error
 from rlhpc.config.schema import CONF_DIR, Config, ConfigError
-from rlhpc.preflight.checks import RunDirError, config_key_error, prepare_run_dir
+from rlhpc.preflight.rundir import RunDirError, prepare_run_dir
 from rlhpc.run.procs import STOP_SIGNALS, exit_code
 from rlhpc.run.rundir import RunDir, read_json, resume_command
 
@@ -28,7 +30,7 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = F
     """Starts (or resumes) the run of `cfg`; with `attach=inference`, adds workers to the run in run_dir instead, taking
     from the command line (`overrides`, as given) only its inference-side keys (rlhpc.cluster.attach). `new_run`: the
     run_dir is named by the launch's time (the default), so a folder of that name is another launch's (of the same
-    second), and this run takes the next free name instead (preflight.new_run_dir)."""
+    second), and this run takes the next free name instead (run_setup.new_run_dir)."""
     if cfg.attach is not None:
         from rlhpc.cluster.attach import attach
 
@@ -62,9 +64,9 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = F
     if slurm:
         raise ConfigError(slurm)
     if new_run:
-        cfg.run_dir = str(preflight.new_run_dir(Path(cfg.run_dir)))
+        cfg.run_dir = str(run_setup.new_run_dir(Path(cfg.run_dir)))
         launcher = Launcher(cfg)  # placed in the folder made
-    with preflight.launch_lock(Path(cfg.run_dir)):
+    with run_setup.launch_lock(Path(cfg.run_dir)):
         run = prepare_run_dir(cfg)
         code = launcher.start(run)
     if cfg.launcher.name == "local" and code in map(exit_code, STOP_SIGNALS):  # stopped: the roles have ended
@@ -114,7 +116,7 @@ def main() -> None:
     argv = sys.argv[1:]
     commands.exit_on_help("attach" if any(a.lstrip("+").startswith("attach=") for a in argv) else "launch", argv)
     config_mod.register()
-    preflight.exit_on_composition_error(argv)
+    exit_on_composition_error(argv)
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _main(dcfg) -> None:

@@ -98,11 +98,12 @@ def main() -> None:
     from rlhpc.config import schema as config_mod
     from rlhpc.preflight import checks as preflight
     from rlhpc.commands import exit_on_help
+    from rlhpc.config.errors import exit_on_composition_error
     from rlhpc.config.schema import CONF_DIR
 
     exit_on_help("serve", sys.argv[1:])
     config_mod.register()
-    preflight.exit_on_composition_error(sys.argv[1:])
+    exit_on_composition_error(sys.argv[1:])
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _run(dcfg) -> None:

@@ -34,15 +34,16 @@ def main() -> None:
     from rlhpc.modeling import models
     from rlhpc.infer.engines.hf import HFEngine
     from rlhpc.infer.rollout import evaluate
+    from rlhpc.config.errors import exit_on_composition_error
     from rlhpc.config.schema import CONF_DIR
     from rlhpc.preflight import checks as preflight
-    from rlhpc.preflight.checks import RunDirError, prepare_run_dir
+    from rlhpc.preflight.rundir import RunDirError, prepare_run_dir
     from rlhpc.run.rundir import RunDir, write_json
     from rlhpc.run.evaluation import heldout_tasks
     from rlhpc.train.warmstart import sft_train
 
     config_mod.register()
-    preflight.exit_on_composition_error(sys.argv[1:])
+    exit_on_composition_error(sys.argv[1:])
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _run(dcfg) -> None:

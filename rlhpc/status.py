@@ -203,7 +203,7 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
 def _launcher_gone(run: RunDir, heartbeats: Dict[str, Dict[str, Any]]) -> Optional[str]:
     """For a local run: its launcher ("pid N on <host>", from the launch lock) when neither it nor any role of the run
     is alive on this machine; None when one is, or when this machine cannot tell (a launch from another host)."""
-    from rlhpc.preflight.checks import launcher_of
+    from rlhpc.preflight.rundir import launcher_of
 
     launcher = launcher_of(run.root)
     if launcher is None or launcher[1] != os.uname().nodename:

@@ -84,7 +84,7 @@ def test_a_local_run_whose_launcher_and_roles_are_gone_is_stopped_not_running(tm
 def test_a_launch_into_a_run_dir_that_a_live_role_writes_is_refused_and_accepted_once_it_ends(tmp_path):
     """The same live-role test as the status's (RunDir.live_roles) guards a relaunch: a fresh heartbeat from this
     host whose pid runs rlhpc.role refuses it; once that process is gone the launch may go on."""
-    from rlhpc.preflight.checks import RunDirError, check_not_running
+    from rlhpc.preflight.rundir import RunDirError, check_not_running
 
     run = a_run(tmp_path)
     for name in ("inference-0", "inference-1"):

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import IO, Callable, List, Optional
 
+from rlhpc.config.disaggregation import describe as disagg_describe
 from rlhpc.config.schema import Config
-from rlhpc.infer.engines.disagg import describe as disagg_describe
 from rlhpc.run.procs import LOG_START, exit_code, free_port, on_stop_signals, tail
 from rlhpc.run.rundir import RunDir, out_of_space_advice, read_json, space_problem, write_json
 

@@ -27,10 +27,10 @@ import submitit
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 
-from rlhpc.run import slurm_jobs
 from rlhpc.cluster.hetjob import JobPlan, describe, make_plan, python_problem, render_script
+from rlhpc.config.disaggregation import describe as disagg_describe
 from rlhpc.config.schema import Config
-from rlhpc.infer.engines.disagg import describe as disagg_describe
+from rlhpc.run import slurm_jobs
 from rlhpc.run.procs import tail
 from rlhpc.run.rundir import RunDir, out_of_space_advice, read_json, space_problem
 

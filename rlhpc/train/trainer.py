@@ -26,7 +26,7 @@ from rlhpc.modeling import models
 from rlhpc.config.schema import Config
 from rlhpc.run.identity import Identity
 from rlhpc.run.metrics import Metrics, busy_by_process
-from rlhpc.preflight.checks import one_line
+from rlhpc.config.errors import one_line
 from rlhpc.run.rundir import RunDir, read_json, wait_for, write_json
 from rlhpc.run.stop import Stop, stop_requested
 from rlhpc.train import checkpoint, publish
