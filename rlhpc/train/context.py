@@ -47,6 +47,10 @@ class ContextGroup:
     def first(self) -> bool:
         return self.rank == 0
 
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """`gather_positions` of `x` over this group."""
+        return gather_positions(x, self)
+
 
 _GROUPS: Dict[Tuple[int, int], ContextGroup] = {}
 

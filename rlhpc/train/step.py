@@ -20,7 +20,8 @@ from rlhpc.train.batching import (ATTENTION, NO_CUSTOM_MASK, Packed, balance_ran
                                   plan_micro_batches, plan_rows, token_logprobs)
 from rlhpc.train.experts import RouterBalance
 from rlhpc.train.guard import BadSteps, nonfinite_advantages, nonfinite_groups, nonfinite_update
-from rlhpc.train.parallel import autocast, decoder_blocks
+from rlhpc.modeling.models import decoder_blocks
+from rlhpc.train.parallel import autocast
 from rlhpc.transport.queue import RolloutBatch
 
 
