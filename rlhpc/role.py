@@ -46,9 +46,10 @@ def main() -> int:
     log.info("starting %s rank %d/%d pid %d in %s", ident.role, ident.rank, ident.size, os.getpid(), run.root)
     try:
         if ident.role == "trainer":
+            from rlhpc.infer.rollout import evaluator
             from rlhpc.train.trainer import run_trainer
 
-            if run_trainer(cfg, ident, run) == "requeue":
+            if run_trainer(cfg, ident, run, evaluator) == "requeue":  # the warm start measures through inference's code
                 log.warning("checkpointed after %s; exiting with %d (requeue)", stop_requested(), REQUEUE_EXIT)
                 return REQUEUE_EXIT
         elif ident.role == "inference":

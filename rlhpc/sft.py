@@ -33,7 +33,7 @@ def main() -> None:
     from rlhpc import env as env_mod
     from rlhpc.modeling import models
     from rlhpc.infer.engines.hf import HFEngine
-    from rlhpc.infer.rollout import evaluate
+    from rlhpc.infer.rollout import evaluate, evaluator
     from rlhpc.config.errors import exit_on_composition_error
     from rlhpc.config.schema import CONF_DIR
     from rlhpc.preflight import checks as preflight
@@ -67,7 +67,8 @@ def main() -> None:
             before = evaluate(engine, env, tok, eval_tasks, cfg.env)
             t0 = time.time()
             losses = sft_train(model, tok, env, cfg,
-                               on_step=lambda s, l: s % 50 == 0 and log.info("sft step %d loss %.4f", s, l))
+                               on_step=lambda s, l: s % 50 == 0 and log.info("sft step %d loss %.4f", s, l),
+                               evaluator=evaluator)
             after = evaluate(engine, env, tok, eval_tasks, cfg.env)
         finally:
             env.close()

@@ -54,6 +54,7 @@ def test_the_warm_start_records_version_0_and_lets_its_model_go(tmp_path):
 
     from rlhpc import env as env_mod
     from rlhpc.run.metrics import Metrics
+    from rlhpc.infer.rollout import evaluator
     from rlhpc.train.warmstart import warm_start
 
     cfg = config_mod.to_typed({"run_dir": str(tmp_path), "sft": {"steps": 2, "batch_size": 2}, "eval": {"num_tasks": 2},
@@ -65,7 +66,7 @@ def test_the_warm_start_records_version_0_and_lets_its_model_go(tmp_path):
     run = RunDir(tmp_path).make()
     metrics = Metrics(run, "trainer", 0)
     before = models_alive()
-    out = warm_start(cfg, run, env_mod.load(cfg.env), metrics, 0)
+    out = warm_start(cfg, run, env_mod.load(cfg.env), metrics, 0, evaluator)
     metrics.close()
     assert read_curve(run) == [(0, out["heldout_reward_sft"])]
     assert models_alive() <= before  # nothing of the SFT model is left for RL

@@ -10,8 +10,9 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from rlhpc.config import schema as config_mod
 from rlhpc import env as env_mod
+from rlhpc.config import schema as config_mod
+from rlhpc.infer.rollout import evaluator
 from rlhpc.run import stop
 from rlhpc.run.metrics import Metrics, read_rows
 from rlhpc.run.rundir import RunDir
@@ -47,7 +48,7 @@ def start(tmp_path, name, stop_at=0, killed_at=0, save_interval=0):
     run = RunDir(tmp_path / name).make()
     metrics = StopAt(run, stop_at, killed_at)
     try:
-        return run, warm_start(cfg, run, env_mod.load(cfg.env), metrics, 0)
+        return run, warm_start(cfg, run, env_mod.load(cfg.env), metrics, 0, evaluator)
     finally:
         metrics.close()
         stop._stop_signal.clear()

@@ -29,11 +29,10 @@ import itertools
 import logging
 import os
 import random
-import secrets
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from rlhpc.env.base import Environment, Message, Task
 from rlhpc.env.episode import Episode
@@ -169,10 +168,12 @@ class VerifiersEnvironment(Environment):
     # ---- episodes ---------------------------------------------------------------------------------------------------
 
     def run_episodes(self, engine, tokenizer, tasks: Sequence[Task], n: int, temperature: float, env_cfg,
-                     version: int = 0, greedy: bool = False) -> List[List[Episode]]:
+                     version: int = 0, greedy: bool = False,
+                     serve: Optional[Callable[[Any, str], Any]] = None) -> List[List[Episode]]:
         """`n` verifiers episodes of each task, against `engine`, as rlhpc episodes grouped by task (rollout.episodes
-        calls this instead of rlhpc.env.episode.run_episodes)."""
-        endpoint = self._endpoint(engine, tokenizer)
+        calls this instead of rlhpc.env.episode.run_episodes). `serve(engine, model_dir)` starts a private server over
+        an engine that is no endpoint yet (rlhpc.infer.server.private_server: environments never import the server)."""
+        endpoint = self._endpoint(engine, tokenizer, serve)
         if self.episode_processes:
             return self._run_in_processes(endpoint, tokenizer, tasks, n, temperature, env_cfg, version, greedy)
         return self.play(endpoint, tasks, n, temperature, env_cfg, version, greedy, tokenizer)
@@ -285,21 +286,19 @@ class VerifiersEnvironment(Environment):
         return Episode(task, prompt, len(prompt), self.messages(task), done=True, reward=error_reward, error=error,
                        min_version=version, max_version=version)
 
-    def _endpoint(self, engine, tokenizer) -> tuple:
+    def _endpoint(self, engine, tokenizer, serve: Optional[Callable[[Any, str], Any]]) -> tuple:
         """(URL, token, model id, model folder) of a token endpoint over `engine`."""
-        from rlhpc.infer.engines.remote import RemoteEngine
-
         model_dir = str(Path(tokenizer.name_or_path))
-        if isinstance(engine, RemoteEngine):  # already served (rlhpc.eval against an endpoint)
-            return engine.url, engine.token, engine.model, model_dir
+        served = getattr(engine, "endpoint", None)
+        if served is not None:  # already an endpoint (a RemoteEngine: rlhpc.eval against a served run)
+            return (*served, model_dir)
         server = self._server
         if server is None or engine not in (server.engine, server.engine.inner):
-            from rlhpc.infer.server import Server, context_length, vocab_size
-            from rlhpc.modeling.models import load_tokenizer
-
+            if serve is None:
+                raise ValueError("a verifiers environment runs against an endpoint: pass `serve` "
+                                 "(rlhpc.infer.server.private_server) with an engine that is not one")
             self._close_server()  # one private server, over the engine in use (the trainer's warm start's is let go)
-            server = self._server = Server(engine, load_tokenizer(model_dir), model_dir, context_length(model_dir),
-                                           secrets.token_hex(16), vocab_size=vocab_size(model_dir)).start()
+            server = self._server = serve(engine, model_dir)
             if self.in_process_endpoint and not self.episode_processes:
                 _in_process_transport()
                 _IN_PROCESS[server.url] = server.app

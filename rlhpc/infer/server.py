@@ -793,6 +793,16 @@ def vocab_size(model_dir: str | Path) -> Optional[int]:
     return cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
 
 
+def private_server(engine: Engine, model_dir: str) -> Server:
+    """A started server over `engine` alone, with a fresh token, for a harness that calls the model over HTTP: the
+    verifiers environments (rlhpc/env/verifiers_env.py), which receive this function from rlhpc/infer/rollout.py and so
+    never import the server."""
+    from rlhpc.modeling.models import load_tokenizer
+
+    return Server(engine, load_tokenizer(model_dir), model_dir, context_length(model_dir), secrets.token_hex(16),
+                  vocab_size=vocab_size(model_dir)).start()
+
+
 def shared_token(path: Path) -> str:
     """The random token in `path`, made by whichever process gets there first (create-if-absent, atomic)."""
     info = read_json(path)

@@ -39,14 +39,15 @@ from rlhpc.train.optim import make_optimizer
 from rlhpc.train.parallel import enable_activation_checkpointing
 from rlhpc.train.publish import Publisher
 from rlhpc.train.step import Step
-from rlhpc.train.warmstart import load_state, start_model
+from rlhpc.train.warmstart import Evaluator, load_state, start_model
 from rlhpc.transport.queue import Claim, RolloutBatch
 
 log = logging.getLogger(__name__)
 
 
-def run_trainer(cfg: Config, ident: Identity, run: RunDir) -> str:
-    trainer = Trainer(cfg, ident, run)
+def run_trainer(cfg: Config, ident: Identity, run: RunDir, evaluator: Optional[Evaluator] = None) -> str:
+    """The trainer role; `evaluator` measures the warm start (rlhpc.infer.rollout.evaluator, from rlhpc/role.py)."""
+    trainer = Trainer(cfg, ident, run, evaluator)
     try:
         return trainer.train()
     finally:
@@ -54,8 +55,9 @@ def run_trainer(cfg: Config, ident: Identity, run: RunDir) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ident: Identity, run: RunDir):
+    def __init__(self, cfg: Config, ident: Identity, run: RunDir, evaluator: Optional[Evaluator] = None):
         self.cfg, self.ident, self.run = cfg, ident, run
+        self.evaluator = evaluator  # of the warm start (sft.steps > 0)
         self.rank, self.world = ident.rank, ident.size
         self.is_main = self.rank == 0
         torch.set_num_threads(cfg.trainer.threads)
@@ -97,7 +99,7 @@ class Trainer:
         """Runs to the last step ("done") or, when asked to stop, checkpoints and returns "requeue"."""
         t_start = time.time()
         try:
-            self.summary = start_model(self.cfg, self.run, self.env, self.metrics, self.rank)
+            self.summary = start_model(self.cfg, self.run, self.env, self.metrics, self.rank, self.evaluator)
         except Stop:
             # The warm start saved its state after its last step (run_dir/sft_state), if it had taken one.
             log.warning("stop requested (%s) during the warm start; the requeued run goes on with it", stop_requested())
