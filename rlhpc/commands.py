@@ -29,10 +29,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from omegaconf import MISSING, OmegaConf
 
+from rlhpc.config.commandline import UNLISTED, WIDTH, exit_codes_text
 from rlhpc.config.schema import CONF_DIR
-
-WIDTH = 120  # of --help pages and of docs/commands.md's prose
-UNLISTED = "An error not listed here ends with its traceback and exit code 1."
 
 
 @dataclass(frozen=True)
@@ -241,21 +239,6 @@ def _choice(group: str) -> Tuple[str, str]:
 
 
 # ---- exit codes and argparse commands -------------------------------------------------------------------------------
-
-
-def exit_codes_text(codes: Dict[int, str]) -> str:
-    lines = ["exit codes:"]
-    for code, meaning in codes.items():
-        lines.append(textwrap.fill(meaning, WIDTH, initial_indent=f"  {code:<5}", subsequent_indent=" " * 7))
-    return "\n".join(lines + [textwrap.fill(UNLISTED, WIDTH, initial_indent="  ", subsequent_indent="  ")])
-
-
-def argparser(prog: str, doc: str, codes: Dict[int, str]) -> argparse.ArgumentParser:
-    """The argument parser of a command that takes no config: its `--help` is the module's docstring, the arguments and
-    the exit codes (at a fixed width: the same page on every terminal and in docs/commands.md)."""
-    return argparse.ArgumentParser(
-        prog=prog, description=doc, epilog=exit_codes_text(codes),
-        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=WIDTH, max_help_position=32))
 
 
 def exit_on_help(name: str, argv: Sequence[str]) -> None:

@@ -120,7 +120,7 @@ EXIT_CODES = {
 
 
 def parser() -> argparse.ArgumentParser:
-    from rlhpc.commands import argparser
+    from rlhpc.config.commandline import argparser
 
     ap = argparser("rlhpc-plots", __doc__, EXIT_CODES)
     ap.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",

@@ -311,7 +311,7 @@ EXIT_CODES = {
 
 
 def parser() -> argparse.ArgumentParser:
-    from rlhpc.commands import argparser
+    from rlhpc.config.commandline import argparser
 
     ap = argparser("rlhpc-status", __doc__, EXIT_CODES)
     ap.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (run_dir=... of the launch)")
