@@ -344,28 +344,12 @@ def _in_process_transport() -> None:
     episodes' event loop. Over loopback, every model call paid an HTTP round trip to the server's thread, and
     httpcore's connection pool, which verifiers' TrainClient keeps one of for all episodes in flight (up to 256
     connections), scans its connections on every request and every release: measured, 15 ms of CPU per single-turn
-    episode over loopback, 11.0 ms in-process (benchmarks/verifiers_overhead.py).
+    episode over loopback, 11.0 ms in-process (benchmarks/verifiers_overhead.py). The patch of verifiers that does it
+    is rlhpc.patches.libraries.in_process_httpx (its versions in rlhpc/patches/registry.py)."""
+    from rlhpc.patches.libraries import in_process_httpx
 
-    verifiers (pinned, 0.4.0) builds every client's httpx client in `verifiers.v1.clients.base.build_async_httpx`;
-    that function is wrapped once. Other URLs, and other clients, get verifiers' own."""
-    from verifiers.v1.clients import base
-
-    original = base.build_async_httpx
-    if getattr(original, "rlhpc_in_process", False):
-        return
-
-    def build_async_httpx(config: Any) -> Any:
-        import httpx
-
-        url = str(config.base_url or "")
-        app = next((a for u, a in list(_IN_PROCESS.items()) if url == u or url.startswith(u + "/")), None)
-        if app is None:
-            return original(config)
-        return httpx.AsyncClient(timeout=httpx.Timeout(**config.timeout.model_dump()),
-                                 transport=httpx.ASGITransport(app=app))
-
-    build_async_httpx.rlhpc_in_process = True  # type: ignore[attr-defined]
-    base.build_async_httpx = build_async_httpx
+    in_process_httpx(lambda url: next((a for u, a in list(_IN_PROCESS.items()) if url == u or url.startswith(u + "/")),
+                                      None))
 
 
 _LOOP: Optional[asyncio.AbstractEventLoop] = None

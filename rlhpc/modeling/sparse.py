@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhpc.modeling.segments import segment_mask
+from rlhpc.patches.registry import check as check_patch
 
 if TYPE_CHECKING:
     from rlhpc.train.context import ContextGroup  # the trainer's: its cp, its rank and `gather`
@@ -50,6 +51,7 @@ def install(model: torch.nn.Module, block_elements: int = 0, group: Optional["Co
     the context group whose ranks split the packed rows (trainer.cp > 1), which the indexer gathers the keys from."""
     if getattr(model.config, "model_type", None) not in SPARSE_ATTENTION:
         return False
+    check_patch("dsa_indexer_forward")  # rlhpc/patches/registry.py
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer
 
     for module in model.modules():

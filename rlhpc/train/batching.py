@@ -8,6 +8,7 @@ from typing import List, Sequence
 import torch
 
 from rlhpc.modeling.segments import PADDING, PREFIX, segment_mask
+from rlhpc.patches.registry import check as check_patch
 
 # Models whose attention does not follow a packed row's mask as a sample alone would: DeepSeek-V3.2's sparse attention
 # picks its keys with an indexer whose ties fall by position (GLM-5's, the same kind, packs with the trainer's
@@ -278,6 +279,7 @@ class ChunkedLogprobHead(torch.nn.Linear):
     @staticmethod
     def install(head: torch.nn.Linear) -> None:
         if type(head) is torch.nn.Linear:
+            check_patch("chunked_logprob_head")  # rlhpc/patches/registry.py
             head.__class__ = ChunkedLogprobHead
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from rlhpc.train.batching import (ATTENTION, NO_CUSTOM_MASK, Packed, balance_ran
 from rlhpc.train.experts import RouterBalance
 from rlhpc.train.guard import BadSteps, nonfinite_advantages, nonfinite_groups, nonfinite_update
 from rlhpc.modeling.models import decoder_blocks
+from rlhpc.patches.libraries import suppress_compile_errors
 from rlhpc.train.parallel import autocast
 from rlhpc.transport.queue import RolloutBatch
 
@@ -40,12 +41,10 @@ def packs(model: torch.nn.Module) -> bool:
 def compile_blocks(model: torch.nn.Module) -> None:
     """torch.compile each decoder block in place, once (parameter names and the state dict are unchanged); what dynamo
     cannot compile runs eagerly instead of failing the step."""
-    import torch._dynamo
-
     blocks = decoder_blocks(model)
     if getattr(blocks, "rlhpc_compiled", False):
         return
-    torch._dynamo.config.suppress_errors = True
+    suppress_compile_errors()
     for block in blocks:
         block.compile(dynamic=True)
     blocks.rlhpc_compiled = True
