@@ -25,12 +25,12 @@ import sys
 import textwrap
 import tokenize
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from omegaconf import MISSING, OmegaConf
 
 from rlhpc.config.commandline import UNLISTED, WIDTH, exit_codes_text
-from rlhpc.config.schema import CONF_DIR
+from rlhpc.config.schema import CONF_DIR, Config
 
 
 @dataclass(frozen=True)
@@ -246,6 +246,26 @@ def exit_on_help(name: str, argv: Sequence[str]) -> None:
     if "--help" in argv or "-h" in argv:
         print(page(name))
         sys.exit(0)
+
+
+def hydra_command(name: str, run: Callable[[Any], None], schema: Optional[type] = None) -> None:
+    """The start the Hydra commands (launch, sft, serve, eval) share: `--help` prints the command's page; the
+    algorithms register their config checks; the typed schema (`schema`, a command's own, or the run's Config) goes
+    into Hydra's ConfigStore; a command line that does not compose ends in one line naming the key, with exit code 2;
+    then Hydra composes the config from conf/ and the command line and calls `run` with it."""
+    import hydra
+    from hydra.core.config_store import ConfigStore
+
+    from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
+    from rlhpc.config.errors import exit_on_composition_error
+
+    argv = sys.argv[1:]
+    exit_on_help(name, argv)
+    node = schema or Config
+    ConfigStore.instance().store(name="rlhpc_schema", node=node)
+    exit_on_composition_error(argv, typed=lambda dcfg: OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(node),
+                                                                                           dcfg)))
+    hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(run)()
 
 
 # ---- the --help page ------------------------------------------------------------------------------------------------

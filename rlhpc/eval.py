@@ -297,24 +297,13 @@ EXIT_CODES = {
 
 
 def main() -> None:
-    import hydra
-    from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
+    from rlhpc.commands import hydra_command
     from rlhpc.config import schema as config_mod
-    from rlhpc.commands import exit_on_help
-    from rlhpc.config.errors import exit_on_composition_error, one_line
-    from rlhpc.config.schema import CONF_DIR
+    from rlhpc.config.errors import one_line
     from rlhpc.run.rundir import write_json
 
-    exit_on_help("eval", sys.argv[1:])
-    # The run's schema with the eval command's keys: a wrong key still fails at composition, naming it.
-    ConfigStore.instance().store(name="rlhpc_schema", node=EvalCommandConfig)
-    exit_on_composition_error(sys.argv[1:], typed=lambda dcfg: OmegaConf.to_object(
-        OmegaConf.merge(OmegaConf.structured(EvalCommandConfig), dcfg)))
-
-    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _run(dcfg) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s eval %(levelname)s: %(message)s", force=True)
         started = time.time()
@@ -350,7 +339,8 @@ def main() -> None:
             sys.exit(1)
         print(f"report: {written}")
 
-    _run()
+    # The run's schema with the eval command's keys: a wrong key still fails at composition, naming it.
+    hydra_command("eval", _run, schema=EvalCommandConfig)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any, List, Optional
 
-from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
 from rlhpc import commands
 from rlhpc.config import schema as config_mod
 from rlhpc.preflight import checks as preflight
 from rlhpc.preflight import rundir as run_setup
 from rlhpc.cluster import memory
-from rlhpc.config.errors import config_key_error, exit_on_composition_error
-from rlhpc.config.schema import CONF_DIR, Config, ConfigError
+from rlhpc.config.errors import config_key_error
+from rlhpc.config.schema import Config, ConfigError
 from rlhpc.preflight.rundir import RunDirError, prepare_run_dir
 from rlhpc.run.procs import STOP_SIGNALS, exit_code
 from rlhpc.run.rundir import RunDir, read_json, resume_command
@@ -111,14 +110,8 @@ EXIT_CODES = {
 
 
 def main() -> None:
-    import hydra
+    attach = any(a.lstrip("+").startswith("attach=") for a in sys.argv[1:])
 
-    argv = sys.argv[1:]
-    commands.exit_on_help("attach" if any(a.lstrip("+").startswith("attach=") for a in argv) else "launch", argv)
-    config_mod.register()
-    exit_on_composition_error(argv)
-
-    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _main(dcfg) -> None:
         from hydra.core.hydra_config import HydraConfig
 
@@ -152,7 +145,7 @@ def main() -> None:
                 return
             sys.exit(code)  # Ctrl-C (130) ends a sweep too
 
-    _main()
+    commands.hydra_command("attach" if attach else "launch", _main)
     if FAILED_POINTS:  # the sweep ran every point; its exit code says that some failed
         print(f"sweep: point(s) {', '.join(map(str, FAILED_POINTS))} failed", file=sys.stderr)
         sys.exit(1)

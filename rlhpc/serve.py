@@ -92,20 +92,10 @@ EXIT_CODES = {
 
 
 def main() -> None:
-    import hydra
-
-    from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
+    from rlhpc.commands import hydra_command
     from rlhpc.config import schema as config_mod
     from rlhpc.preflight import checks as preflight
-    from rlhpc.commands import exit_on_help
-    from rlhpc.config.errors import exit_on_composition_error
-    from rlhpc.config.schema import CONF_DIR
 
-    exit_on_help("serve", sys.argv[1:])
-    config_mod.register()
-    exit_on_composition_error(sys.argv[1:])
-
-    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _run(dcfg) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s: %(message)s", force=True)
         try:
@@ -142,7 +132,7 @@ def main() -> None:
             # Not the interpreter's teardown: a batcher thread still inside torch would abort the process there.
             os._exit(0)
 
-    _run()
+    hydra_command("serve", _run)
 
 
 if __name__ == "__main__":
