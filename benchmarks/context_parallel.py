@@ -196,8 +196,8 @@ def main(argv=None) -> None:
     # Read by glibc when a process starts: the forkserver, started by the first launch, and so every rank.
     os.environ["MALLOC_MMAP_THRESHOLD_"] = os.environ["MALLOC_TRIM_THRESHOLD_"] = str(MALLOC_KB << 10)
 
-    from rlhpc.modeling import models
     from rlhpc.config.schema import ModelConfig
+    from rlhpc.modeling import models
     from rlhpc.run.rundir import RunDir
     from transformers.utils import logging as hf_logging
 

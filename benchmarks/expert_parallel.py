@@ -189,8 +189,8 @@ def step_rank(rank: int, world: int, port: int, root: str, ep: int, groups: int,
 
 
 def step_table(args) -> list:
-    from rlhpc.modeling import models
     from rlhpc.config.schema import ModelConfig
+    from rlhpc.modeling import models
     from rlhpc.run.rundir import RunDir
     from transformers.utils import logging as hf_logging
 

@@ -121,8 +121,8 @@ def main() -> None:
     if args.mmap_threshold_kb:  # read by glibc when a process starts: the ranks, spawned below, inherit it
         os.environ["MALLOC_MMAP_THRESHOLD_"] = os.environ["MALLOC_TRIM_THRESHOLD_"] = str(args.mmap_threshold_kb << 10)
 
-    from rlhpc.modeling import models
     from rlhpc.config.schema import ModelConfig
+    from rlhpc.modeling import models
     from rlhpc.run.rundir import RunDir
 
     with tempfile.TemporaryDirectory(prefix="rlhpc-trainer-memory-") as tmp:

@@ -159,8 +159,8 @@ def summary(out: Dict[str, Any]) -> str:
 
 def served_tokenizer(path: str | None, key: str):
     """The tokenizer of a served model's folder: all an evaluation against a running server needs of it (no weights)."""
-    from rlhpc.modeling import models
     from rlhpc.config.errors import one_line
+    from rlhpc.modeling import models
     from rlhpc.preflight.checks import TOKENIZER_FILES
 
     hint = " (the served model's folder; set model.path to a copy of it)" if key == "eval.run" else ""
@@ -221,11 +221,11 @@ def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
     if cfg.model.path and not (e.run or e.endpoint):
         preflight.check_model(cfg, trainer=False)  # a path that is no folder: said before the imports below
     from rlhpc import env as env_mod
-    from rlhpc.modeling import models
     from rlhpc.env.pool import EnvPool
     from rlhpc.infer.engines.remote import RemoteEngine, RemoteEngineError
     from rlhpc.infer.rollout import episodes
     from rlhpc.infer.server import endpoint
+    from rlhpc.modeling import models
 
     preflight.check_context(cfg)
     env = env_mod.load(cfg.env)

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from rlhpc import commands
-from rlhpc.config import schema as config_mod
-from rlhpc.preflight import checks as preflight
-from rlhpc.preflight import rundir as run_setup
 from rlhpc.cluster import memory
+from rlhpc.config import schema as config_mod
 from rlhpc.config.errors import config_key_error
 from rlhpc.config.schema import Config, ConfigError
+from rlhpc.preflight import checks as preflight
+from rlhpc.preflight import rundir as run_setup
 from rlhpc.preflight.rundir import RunDirError, prepare_run_dir
 from rlhpc.run.procs import STOP_SIGNALS, exit_code
 from rlhpc.run.rundir import RunDir, read_json, resume_command

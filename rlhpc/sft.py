@@ -26,15 +26,15 @@ def main() -> None:
     from rlhpc.commands import exit_on_help, hydra_command
 
     exit_on_help("sft", sys.argv[1:])  # before the imports below
-    from rlhpc.config import schema as config_mod
     from rlhpc import env as env_mod
-    from rlhpc.modeling import models
+    from rlhpc.config import schema as config_mod
     from rlhpc.infer.engines.hf import HFEngine
     from rlhpc.infer.rollout import evaluate, evaluator
+    from rlhpc.modeling import models
     from rlhpc.preflight import checks as preflight
     from rlhpc.preflight.rundir import RunDirError, prepare_run_dir
-    from rlhpc.run.rundir import RunDir, write_json
     from rlhpc.run.evaluation import heldout_tasks
+    from rlhpc.run.rundir import RunDir, write_json
     from rlhpc.train.warmstart import sft_train
 
     def _run(dcfg) -> None:

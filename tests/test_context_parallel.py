@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from rlhpc.modeling import models
 from rlhpc.config.schema import ConfigError, ModelConfig, validate
+from rlhpc.modeling import models
 from rlhpc.run.rundir import RunDir
 from test_config import composed
 from test_eval_offload import launch

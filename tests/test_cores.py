@@ -52,8 +52,8 @@ def test_idle_threads_are_shared_between_borrowers_and_capped_at_the_cores(tmp_p
 
 
 def test_a_borrower_looks_before_each_block_of_a_forward_and_of_its_backward(tmp_path, monkeypatch):
-    from rlhpc.modeling import models
     from rlhpc.config.schema import ModelConfig
+    from rlhpc.modeling import models
 
     monkeypatch.setattr(cores, "EVERY_S", 0.0)
     run = RunDir(tmp_path).make()

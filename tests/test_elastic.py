@@ -88,12 +88,12 @@ def test_a_worker_that_joins_after_the_last_update_takes_the_final_snapshot(tmp_
     never one the trainer has not published."""
     import torch
 
-    from rlhpc.modeling import models
     from rlhpc.config.schema import ModelConfig
-    from rlhpc.run.identity import Identity
     from rlhpc.infer.engines.hf import HFEngine
     from rlhpc.infer.worker import _catch_up
+    from rlhpc.modeling import models
     from rlhpc.modeling.names import checkpoint_layout
+    from rlhpc.run.identity import Identity
     from rlhpc.run.rundir import RunDir
     from rlhpc.train.publish import Publisher, full_state
     from rlhpc.transport.weights import latest_snapshot, load_snapshot
@@ -126,8 +126,8 @@ def test_interval_snapshots_are_written_from_the_stream_as_it_is_broadcast(tmp_p
     (a writer thread takes each tensor as it passes, no full copy), and holds exactly the version published."""
     import torch
 
-    from rlhpc.modeling import models
     from rlhpc.config.schema import ModelConfig
+    from rlhpc.modeling import models
     from rlhpc.run.identity import Identity
     from rlhpc.run.rundir import RunDir
     from rlhpc.train.publish import Publisher, full_state

@@ -10,9 +10,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from rlhpc.config import schema as config_mod
+from rlhpc.config.schema import CONF_DIR
 from rlhpc.config.schema import EnvConfig, to_typed
 from rlhpc.env import Task, load
-from rlhpc.config.schema import CONF_DIR
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from rlhpc.config import schema as config_mod
+from rlhpc.config.schema import CONF_DIR
 from rlhpc.config.schema import EnvConfig, to_typed
 from rlhpc.env import Task, load
 from rlhpc.env.base import play
-from rlhpc.config.schema import CONF_DIR
 
 
 @pytest.fixture(scope="module")

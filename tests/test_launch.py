@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from rlhpc.run.evaluation import read_curve
 from rlhpc.run.metrics import read_rows
 from rlhpc.run.rundir import RunDir
-from rlhpc.run.evaluation import read_curve
 from test_weights_members import alarms
 
 TESTS = Path(__file__).resolve().parent

@@ -14,10 +14,10 @@ from omegaconf import OmegaConf
 
 import rlhpc.algo  # noqa: F401  (registers the algorithms' config checks)
 from rlhpc.config import schema as config_mod
+from rlhpc.config.schema import ConfigError, ModelConfig
 from rlhpc.modeling import models
 from rlhpc.preflight import checks as preflight
 from rlhpc.preflight import rundir as run_setup
-from rlhpc.config.schema import ConfigError, ModelConfig
 from rlhpc.preflight.rundir import RunDirError, prepare_run_dir
 
 TESTS = Path(__file__).resolve().parent

@@ -15,11 +15,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from rlhpc.config import schema as config_mod
 from rlhpc.algo import loss
+from rlhpc.algo.loss import LossInputs
+from rlhpc.config import schema as config_mod
 from rlhpc.config.schema import AlgoConfig, ConfigError, to_typed
 from rlhpc.config.schema import CONF_DIR
-from rlhpc.algo.loss import LossInputs
 
 F64 = torch.float64  # the comparisons below are exact to 1e-10
 

@@ -12,9 +12,9 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from rlhpc.modeling import models
 from rlhpc.cluster import memory
 from rlhpc.config.schema import ModelConfig
+from rlhpc.modeling import models
 from test_names import ARCHS, MORE_ARCHS, SIZES
 
 ROOT = Path(__file__).resolve().parents[1]  # this checkout, also for the launcher run as a command

@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 
 from rlhpc.config import schema as config_mod
-from rlhpc.modeling import models
 from rlhpc.config.schema import ModelConfig
+from rlhpc.modeling import models
 from rlhpc.run.identity import Identity
 from rlhpc.run.rundir import RunDir
 from test_sharded_load import on_ranks

@@ -11,8 +11,8 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from rlhpc.modeling import models
 from rlhpc.config.schema import ModelConfig
+from rlhpc.modeling import models
 from rlhpc.run.rundir import RunDir
 from test_trainer_math import _trainer, first_report, free_port, make_batch
 

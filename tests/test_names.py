@@ -6,9 +6,9 @@ import torch
 from safetensors.torch import load_file
 
 from rlhpc.config import schema as config_mod
-from rlhpc.modeling import models
 from rlhpc.config.schema import ModelConfig
 from rlhpc.infer.engines.hf import HFEngine
+from rlhpc.modeling import models
 from rlhpc.run.identity import Identity
 from rlhpc.run.rundir import RunDir
 

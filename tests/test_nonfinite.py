@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rlhpc.config import schema as config_mod
-from rlhpc.modeling import models
 from rlhpc.config.schema import ModelConfig
+from rlhpc.modeling import models
 from rlhpc.run.identity import Identity
 from rlhpc.run.rundir import RunDir
 from rlhpc.train.guard import TooManyBadSteps

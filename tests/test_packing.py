@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rlhpc.modeling import models
-from rlhpc.train import attention as segment_attention
 from rlhpc.modeling import sparse
+from rlhpc.train import attention as segment_attention
 from rlhpc.train.batching import ATTENTION, common_prefix, pack, packed_logprobs, plan_rows, token_logprobs
 from rlhpc.train.step import packs
 from test_moe import preset

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhpc.run.rundir import RunDir, write_json
 from rlhpc.run.evaluation import write_result
+from rlhpc.run.rundir import RunDir, write_json
 
 
 def status(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -192,8 +192,8 @@ def test_a_moved_run_says_its_job_script_names_the_old_folder(tmp_path):
     Slurm could not open its log there). Status says so, and how to write the script anew."""
     from hydra import compose, initialize_config_dir
 
-    from rlhpc.config import schema as config_mod
     from rlhpc.cluster.hetjob import make_plan, render_script
+    from rlhpc.config import schema as config_mod
 
     run = a_run(tmp_path)
     config_mod.register()

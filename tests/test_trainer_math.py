@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from rlhpc.config import schema as config_mod
-from rlhpc.modeling import models
 from rlhpc.config.schema import ModelConfig
-from rlhpc.transport.queue import Group, RolloutBatch
+from rlhpc.modeling import models
 from rlhpc.run.identity import Identity
 from rlhpc.run.procs import free_port
 from rlhpc.run.rundir import RunDir
+from rlhpc.transport.queue import Group, RolloutBatch
 
 CTX = mp.get_context("forkserver")  # preloaded with torch and the trainer (tests/conftest.py)
 

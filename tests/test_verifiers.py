@@ -18,13 +18,13 @@ import pytest
 
 verifiers = pytest.importorskip("verifiers", reason="pip install -e '.[verifiers]'")
 
-from rlhpc.modeling import models  # noqa: E402
 from rlhpc.config.schema import EnvConfig, ModelConfig  # noqa: E402
 from rlhpc.env.base import load  # noqa: E402
 from rlhpc.env.pool import EnvPool  # noqa: E402
 from rlhpc.infer.engines import Completion, Engine  # noqa: E402
 from rlhpc.infer.engines.hf import HFEngine  # noqa: E402
 from rlhpc.infer.rollout import episodes  # noqa: E402
+from rlhpc.modeling import models  # noqa: E402
 
 PKGS = Path(__file__).resolve().parent / "verifiers_pkgs"
 TOOL = "lookup_toolset_spell_backwards"  # the MCP tool's name as the policy sees it

@@ -15,10 +15,10 @@ from typing import List
 import pytest
 import torch
 
-from rlhpc.modeling import models
 from rlhpc.config.schema import InferenceConfig, ModelConfig
 from rlhpc.infer.engines import make_engine
 from rlhpc.infer.engines.hf import HFEngine
+from rlhpc.modeling import models
 from rlhpc.transport.weights import Update
 
 pytest.importorskip("vllm", reason="vLLM is not installed (bash .ci/install-vllm.sh)")

@@ -190,8 +190,8 @@ def test_an_inflight_update_lands_in_both_instances_between_decode_steps(engines
 def composed(*overrides: str) -> Config:
     from hydra import compose, initialize_config_dir
 
-    from rlhpc.config.schema import register
     from rlhpc.config.schema import CONF_DIR
+    from rlhpc.config.schema import register
 
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

@@ -10,8 +10,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from rlhpc.config import schema as config_mod
-from rlhpc.modeling import models
 from rlhpc.config.schema import CONF_DIR, to_typed
+from rlhpc.modeling import models
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -31,8 +31,8 @@ from omegaconf import OmegaConf
 
 from rlhpc.config import schema as config_mod
 from rlhpc.config.errors import one_line
-from rlhpc.preflight.rundir import training_changes
 from rlhpc.config.schema import Config, ConfigError
+from rlhpc.preflight.rundir import training_changes
 from rlhpc.run.procs import exit_code, on_stop_signals, tail
 from rlhpc.run.rundir import RunDir, read_json, write_json
 

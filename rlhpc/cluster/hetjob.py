@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from rlhpc.run.slurm_identity import ROLES
 from rlhpc.config.schema import Config, ConfigError, SlurmGroupConfig
+from rlhpc.run.slurm_identity import ROLES
 
 @dataclass
 class GroupPlan:

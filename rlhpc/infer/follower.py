@@ -174,8 +174,8 @@ def run_follower(cfg: Config, ident: Identity, run: RunDir) -> None:
 def _serve(cfg: Config, run: RunDir, rank: int, record: Dict[str, Any], node_rank: int, path: Path) -> None:
     """Runs vLLM's headless model workers of node `node_rank` for the leader of `record` until that leader is gone."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from rlhpc.patches import vllm as patches
     from rlhpc.infer.engines.vllm import engine_args, vllm_files
+    from rlhpc.patches import vllm as patches
 
     patches.check()
     from vllm.engine.arg_utils import EngineArgs

@@ -48,8 +48,8 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 from rlhpc.infer.batcher import Batcher, Sampling, SharedEngine, ShuttingDown
 from rlhpc.infer.engines import Completion, Engine
-from rlhpc.run.rundir import RunDir, read_json, wait_for, write_json
 from rlhpc.run.procs import node_address as this_node_address
+from rlhpc.run.rundir import RunDir, read_json, wait_for, write_json
 
 log = logging.getLogger(__name__)
 

@@ -16,20 +16,20 @@ from typing import Optional
 
 import torch
 
-from rlhpc.run import cores
 from rlhpc import env as env_mod
-from rlhpc.modeling import models
 from rlhpc.config.schema import Config
+from rlhpc.env.pool import EnvPool
 from rlhpc.infer.engines import make_engine
 from rlhpc.infer.follower import leading
-from rlhpc.run.metrics import Metrics
-from rlhpc.transport.queue import Queue
-from rlhpc.run.identity import Identity
-from rlhpc.run.stop import Stop, stop_requested
-from rlhpc.env.pool import EnvPool
 from rlhpc.infer.rollout import evaluate, generate_groups
-from rlhpc.run.rundir import Backoff, RunDir, wait_for
+from rlhpc.modeling import models
+from rlhpc.run import cores
 from rlhpc.run.evaluation import eval_owed, heldout_tasks, read_curve, write_result
+from rlhpc.run.identity import Identity
+from rlhpc.run.metrics import Metrics
+from rlhpc.run.rundir import Backoff, RunDir, wait_for
+from rlhpc.run.stop import Stop, stop_requested
+from rlhpc.transport.queue import Queue
 from rlhpc.transport.weights import (BroadcastReceiver, FilesystemReceiver, WeightsReceiver, latest_snapshot,
                                     load_snapshot)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from rlhpc.run.slurm_identity import ROLES
 from rlhpc.run.rundir import RunDir, read_json, read_json_object, write_json
+from rlhpc.run.slurm_identity import ROLES
 
 # JobState.source when no Slurm command answered (not installed here, or no controller reachable).
 NO_ANSWER = "neither sacct nor squeue answered"

@@ -14,8 +14,8 @@ import torch
 
 from rlhpc.config.schema import Config
 from rlhpc.modeling.dtypes import dtype_of
-from rlhpc.run.identity import Identity
 from rlhpc.modeling.names import CheckpointNames, checkpoint_layout, state_tensors
+from rlhpc.run.identity import Identity
 from rlhpc.run.rundir import RunDir
 from rlhpc.train.export import write_hf_folder, write_safetensors_stream
 from rlhpc.transport.weights import BroadcastSender, FilesystemSender, WeightsSender, write_snapshot

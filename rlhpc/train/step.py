@@ -14,14 +14,14 @@ import torch.distributed as dist
 from rlhpc.algo import loss as loss_mod
 from rlhpc.algo.loss import LossInputs
 from rlhpc.config.schema import Config
-from rlhpc.train import attention, context
 from rlhpc.modeling import sparse
+from rlhpc.train import attention, context
 from rlhpc.train.batching import (ATTENTION, NO_CUSTOM_MASK, Packed, balance_ranks, pack, packed_logprobs, pad,
                                   plan_micro_batches, plan_rows, token_logprobs)
-from rlhpc.train.experts import RouterBalance
-from rlhpc.train.guard import BadSteps, nonfinite_advantages, nonfinite_groups, nonfinite_update
 from rlhpc.modeling.models import decoder_blocks
 from rlhpc.patches.libraries import suppress_compile_errors
+from rlhpc.train.experts import RouterBalance
+from rlhpc.train.guard import BadSteps, nonfinite_advantages, nonfinite_groups, nonfinite_update
 from rlhpc.train.parallel import autocast
 from rlhpc.transport.queue import RolloutBatch
 

@@ -20,18 +20,18 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from rlhpc.run import cores
 from rlhpc import env as env_mod
-from rlhpc.modeling import models
+from rlhpc.config.errors import one_line
 from rlhpc.config.schema import Config
+from rlhpc.modeling import models
+from rlhpc.run import cores
+from rlhpc.run.evaluation import Curve, discard_after, read_curve, result_path
 from rlhpc.run.identity import Identity
 from rlhpc.run.metrics import Metrics, busy_by_process
-from rlhpc.config.errors import one_line
 from rlhpc.run.rundir import RunDir, read_json, wait_for, write_json
 from rlhpc.run.stop import Stop, stop_requested
 from rlhpc.train import checkpoint, publish
 from rlhpc.train.claims import Claims
-from rlhpc.run.evaluation import Curve, discard_after, read_curve, result_path
 from rlhpc.train.experts import RouterStats
 from rlhpc.train.guard import BadSteps
 from rlhpc.train.loading import build_sharded

@@ -8,8 +8,8 @@ from typing import Iterable, List, Sequence, Tuple
 import torch
 
 from rlhpc.infer.engines import Completion, Engine
-from rlhpc.modeling.models import load_model
 from rlhpc.modeling import sparse
+from rlhpc.modeling.models import load_model
 
 
 class HFEngine(Engine):
