@@ -130,11 +130,10 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
             with gate:
                 version = _catch_up(run, engine, version, progress["version"])
         pending_groups = queued * cfg.inference.groups_per_batch + progress.get("claiming", 0)
-        # The step that will consume what is generated now, and the oldest version that step accepts.
-        target = progress["claimed"] + pending_groups // per_step
         if (progress["claimed"], version) != seen:  # the run moved: the idle clock starts again
             seen, t_last = (progress["claimed"], version), time.time()
-        if pending_groups >= cfg.queue.max_pending_steps * per_step or version < target - cfg.async_level:
+        if back_pressure(pending_groups, progress["claimed"], version, per_step, cfg.queue.max_pending_steps,
+                         cfg.async_level) is not None:
             if borrower is not None:
                 borrower.release()
             idle.set(True)  # back-pressure: the trainer may use this worker's threads meanwhile
@@ -185,6 +184,21 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
     log.info("worker %d done after %d batches (weights version %d)", rank, seq, version)
     metrics.close()
     receiver.close()
+
+
+def back_pressure(pending_groups: int, claimed: int, version: int, per_step: int, max_pending_steps: int,
+                  async_level: int) -> Optional[str]:
+    """Why a worker waits instead of generating now, or None when it generates. `pending_groups`: the groups ahead of
+    what it would generate (other workers' batches in flight, published files, the claim being filled); `claimed`:
+    the steps the trainer has claimed; `version`: the worker's weights. Enough is queued once it covers
+    `max_pending_steps` steps (queue.max_pending_steps); and what it generates now feeds step claimed + pending //
+    per_step, which trains only on groups of weights at least that step - async_level."""
+    if pending_groups >= max_pending_steps * per_step:
+        return f"{pending_groups} groups queued: queue.max_pending_steps={max_pending_steps} steps of them"
+    target = claimed + pending_groups // per_step
+    if version < target - async_level:
+        return f"weights version {version} is too old for step {target} (async_level={async_level})"
+    return None
 
 
 def _lending(cfg: Config, run: RunDir, rank: int, engine):
