@@ -57,8 +57,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlhpc.metrics import read_rows
-from rlhpc.rundir import RunDir
+from rlhpc.run.metrics import read_rows
+from rlhpc.run.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ["model.hidden_size=384", "model.intermediate_size=1152", "model.num_layers=6", "model.num_heads=6",
@@ -148,7 +148,7 @@ def main() -> None:
         ap.error("--steps must be at least --warmup + 2")
 
     sys.path.insert(0, str(REPO))
-    from rlhpc.config import InferenceConfig, TrainerConfig
+    from rlhpc.config.schema import InferenceConfig, TrainerConfig
 
     threads = {"trainer.threads": TrainerConfig().threads, "inference.threads": InferenceConfig().threads}
     threads.update({k: v for k, v in (x.split("=", 1) for x in args.extra if "=" in x) if k in threads})

@@ -5,7 +5,7 @@ reward next to an undisturbed run of the same seed.
     python benchmarks/chaos.py --repeats 3           # the spread of both, as docs/changelog.md reports it
     python benchmarks/chaos.py --model runs/x/model  # start RL from this SFT model instead of training one
 
-The faults are those of tests/test_chaos.py (rlhpc/cluster/chaos.py): three `kill -9` of inference workers, one of the
+The faults are those of tests/test_chaos.py (tests/faults.py): three `kill -9` of inference workers, one of the
 trainer (the run is launched again and resumes from its checkpoint), two corrupted queue files, a worker frozen for
 4 s, each at a seeded random moment. Runs go under --work (a temporary folder by default, removed at the end).
 """
@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the faults and their accounting
 
-from rlhpc.cluster.chaos import LocalChaos, account, heldout, rl_overrides, survived, warm_start  # noqa: E402
+from faults import LocalChaos, account, heldout, rl_overrides, survived, warm_start  # noqa: E402
 
 
 def main() -> int:

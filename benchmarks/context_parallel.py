@@ -80,10 +80,10 @@ def search_rank(rank: int, world: int, port: int, root: str, checkpointing: bool
     the group's maximum, so all ranks probe the same lengths."""
     import torch.distributed as dist
 
-    from rlhpc import config as config_mod
-    from rlhpc import models
-    from rlhpc.identity import Identity
-    from rlhpc.rundir import RunDir
+    from rlhpc.config import schema as config_mod
+    from rlhpc.modeling import models
+    from rlhpc.run.identity import Identity
+    from rlhpc.run.rundir import RunDir
     from rlhpc.train.trainer import Trainer
 
     run = RunDir(Path(root))
@@ -196,9 +196,9 @@ def main(argv=None) -> None:
     # Read by glibc when a process starts: the forkserver, started by the first launch, and so every rank.
     os.environ["MALLOC_MMAP_THRESHOLD_"] = os.environ["MALLOC_TRIM_THRESHOLD_"] = str(MALLOC_KB << 10)
 
-    from rlhpc import models
-    from rlhpc.config import ModelConfig
-    from rlhpc.rundir import RunDir
+    from rlhpc.config.schema import ModelConfig
+    from rlhpc.modeling import models
+    from rlhpc.run.rundir import RunDir
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -1,5 +1,5 @@
 """GLM-5's DSA indexer: transformers' (every query scored against every key at once) against the trainer's
-(rlhpc/train/sparse.py: a block of queries at a time), on one sample of L tokens, by the memory and time of one call.
+(rlhpc/modeling/sparse.py: a block of queries at a time), on one sample of L tokens, by the memory and time of one call.
 
     python benchmarks/dsa_indexer.py [--lengths 2048 4096 8192] [--heads 8] [--head-dim 64] [--hidden 256]
                                      [--topk 256] [--block-elements 4194304] [--repeats 3]
@@ -59,7 +59,7 @@ def measure(args, tokens: int, side: str, out) -> None:
     """In a process of its own: (peak KiB above the start, seconds, the choice) of `side`'s indexer on `tokens`."""
     try:
         torch.set_num_threads(1)
-        from rlhpc.train import sparse
+        from rlhpc.modeling import sparse
 
         model, indexer, hidden, q_resid, pe = indexer_and_inputs(args, tokens)
         if side != "transformers":

@@ -38,9 +38,9 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # before torch starts its pool
     import torch
 
-    from rlhpc import models
-    from rlhpc.config import InferenceConfig, ModelConfig
+    from rlhpc.config.schema import InferenceConfig, ModelConfig
     from rlhpc.infer.engines import make_engine
+    from rlhpc.modeling import models
 
     torch.set_num_threads(args.threads)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="rlhpc-bench-engines-"))

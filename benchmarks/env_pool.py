@@ -27,13 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlhpc import models  # noqa: E402
-from rlhpc.config import EnvConfig, ModelConfig  # noqa: E402
+from rlhpc.config.schema import EnvConfig, ModelConfig  # noqa: E402
 from rlhpc.env import load  # noqa: E402
 from rlhpc.env.episode import Renderer, run_episodes  # noqa: E402
 from rlhpc.env.pool import EnvPool  # noqa: E402
 from rlhpc.infer.engines import Completion  # noqa: E402
 from rlhpc.infer.engines.hf import HFEngine  # noqa: E402
+from rlhpc.modeling import models  # noqa: E402
 
 
 class ReferenceEngine:

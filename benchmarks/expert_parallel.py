@@ -161,10 +161,10 @@ def step_rank(rank: int, world: int, port: int, root: str, ep: int, groups: int,
               steps: int) -> dict:
     import torch.distributed as dist
 
-    from rlhpc import config as config_mod
-    from rlhpc import models
-    from rlhpc.identity import Identity
-    from rlhpc.rundir import RunDir
+    from rlhpc.config import schema as config_mod
+    from rlhpc.modeling import models
+    from rlhpc.run.identity import Identity
+    from rlhpc.run.rundir import RunDir
     from rlhpc.train.trainer import Trainer
 
     run = RunDir(Path(root))
@@ -189,9 +189,9 @@ def step_rank(rank: int, world: int, port: int, root: str, ep: int, groups: int,
 
 
 def step_table(args) -> list:
-    from rlhpc import models
-    from rlhpc.config import ModelConfig
-    from rlhpc.rundir import RunDir
+    from rlhpc.config.schema import ModelConfig
+    from rlhpc.modeling import models
+    from rlhpc.run.rundir import RunDir
     from transformers.utils import logging as hf_logging
 
     cfg = ModelConfig(name="bench_qwen3_moe", arch="qwen3_moe", hidden_size=args.hidden,

@@ -71,7 +71,7 @@ TINY_EXTRA = dict(head_dim=16, rope_theta=1000000.0, vocab_size=4096)
 
 
 def model_config(args):
-    from rlhpc.config import ModelConfig
+    from rlhpc.config.schema import ModelConfig
 
     shape, extra = (TINY, TINY_EXTRA) if args.smoke_cpu else (QWEN3_0_6B, QWEN3_0_6B_EXTRA)
     return ModelConfig(name="qwen3_0_6b_shape", arch="qwen3", max_position_embeddings=4096, dtype="bfloat16",
@@ -95,7 +95,7 @@ def sync(device) -> None:
 
 
 def free_port() -> int:
-    from rlhpc.procs import free_port as port
+    from rlhpc.run.procs import free_port as port
 
     return port()
 
@@ -107,7 +107,7 @@ def check_train(path: Path, args) -> str:
     import torch
     import torch.distributed as dist
 
-    from rlhpc.config import TrainerConfig
+    from rlhpc.config.schema import TrainerConfig
     from rlhpc.train.loading import build_sharded
     from rlhpc.train.optim import make_optimizer
     from rlhpc.train.parallel import compute_dtype
@@ -197,7 +197,7 @@ def raw_broadcast(group, flat) -> None:
 def receiver(root: str, backend: str, numel: int, updates: int) -> None:
     import torch
 
-    from rlhpc.rundir import RunDir
+    from rlhpc.run.rundir import RunDir
     from rlhpc.transport.weights import BroadcastReceiver
 
     device = torch.device("cuda", 1) if backend == "nccl" else torch.device("cpu")
@@ -220,8 +220,8 @@ def receiver(root: str, backend: str, numel: int, updates: int) -> None:
 def check_broadcast(path: Path, args) -> str:
     import torch
 
-    from rlhpc.models import load_model
-    from rlhpc.rundir import RunDir
+    from rlhpc.modeling.models import load_model
+    from rlhpc.run.rundir import RunDir
     from rlhpc.transport.weights import BroadcastSender
 
     gpus = torch.cuda.device_count()
@@ -360,7 +360,7 @@ def main() -> int:
 
     import torch
 
-    from rlhpc.models import build
+    from rlhpc.modeling.models import build
 
     if args.smoke_cpu:
         args.batch, args.seq_len, args.rl_steps = 2, 64, 3

@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlhpc import models  # noqa: E402
+from rlhpc.config.schema import ModelConfig  # noqa: E402
+from rlhpc.modeling import models  # noqa: E402
 from rlhpc.train.batching import token_logprobs  # noqa: E402
-from rlhpc.config import ModelConfig  # noqa: E402
 from ranks import kb  # noqa: E402
 
 MB = 1 << 20

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlhpc.rundir import Backoff  # noqa: E402
+from rlhpc.run.rundir import Backoff  # noqa: E402
 from rlhpc.transport.queue import Queue  # noqa: E402
 from queue_throughput import make_batch  # noqa: E402
 

@@ -42,7 +42,7 @@ def on_ranks(target, world: int, args: tuple, start: str = "forkserver", threads
     has imported torch and the trainer once; "spawn": each a fresh interpreter), each with `threads` torch threads
     (None: torch's default); each rank's return value, by rank. The ranks' process group, if they made one, is
     destroyed when `target` returns."""
-    from rlhpc.procs import free_port
+    from rlhpc.run.procs import free_port
 
     ctx = mp.get_context(start)
     if start == "forkserver":

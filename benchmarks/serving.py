@@ -31,11 +31,11 @@ def main() -> None:
 
     import httpx
 
-    from rlhpc import models
-    from rlhpc.config import ModelConfig
+    from rlhpc.config.schema import ModelConfig
     from rlhpc.env.episode import Renderer
     from rlhpc.infer.engines.hf import HFEngine
     from rlhpc.infer.server import Server, context_length
+    from rlhpc.modeling import models
 
     path = Path(args.model_path) if args.model_path else models.build(ModelConfig(), Path(tempfile.mkdtemp()) / "m")
     tok = models.load_tokenizer(path)

@@ -58,10 +58,10 @@ def _batch(vocab: int, groups: int, seed: int = 0):
 def rank_main(rank: int, world: int, port: int, root: str, full_load: bool, eval_copy: bool) -> dict:
     import torch.distributed as dist
 
-    from rlhpc import config as config_mod
-    from rlhpc import models
-    from rlhpc.identity import Identity
-    from rlhpc.rundir import RunDir
+    from rlhpc.config import schema as config_mod
+    from rlhpc.modeling import models
+    from rlhpc.run.identity import Identity
+    from rlhpc.run.rundir import RunDir
     from rlhpc.train import checkpoint
     from rlhpc.train.optim import make_optimizer
     from rlhpc.train.trainer import Trainer
@@ -121,9 +121,9 @@ def main() -> None:
     if args.mmap_threshold_kb:  # read by glibc when a process starts: the ranks, spawned below, inherit it
         os.environ["MALLOC_MMAP_THRESHOLD_"] = os.environ["MALLOC_TRIM_THRESHOLD_"] = str(args.mmap_threshold_kb << 10)
 
-    from rlhpc import models
-    from rlhpc.config import ModelConfig
-    from rlhpc.rundir import RunDir
+    from rlhpc.config.schema import ModelConfig
+    from rlhpc.modeling import models
+    from rlhpc.run.rundir import RunDir
 
     with tempfile.TemporaryDirectory(prefix="rlhpc-trainer-memory-") as tmp:
         RunDir(Path(tmp)).make()

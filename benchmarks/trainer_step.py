@@ -84,10 +84,10 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     args = ap.parse_args()
 
-    from rlhpc import config as config_mod
-    from rlhpc import models
-    from rlhpc.identity import Identity
-    from rlhpc.rundir import RunDir
+    from rlhpc.config import schema as config_mod
+    from rlhpc.modeling import models
+    from rlhpc.run.identity import Identity
+    from rlhpc.run.rundir import RunDir
     from rlhpc.train.optim import make_optimizer
     from rlhpc.train.trainer import Trainer
 

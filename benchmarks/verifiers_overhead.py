@@ -33,12 +33,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(PKGS))  # the environment package, here and in the processes verifiers starts
 os.environ["PYTHONPATH"] = os.pathsep.join([str(PKGS), os.environ.get("PYTHONPATH", "")])
 
-from rlhpc import models  # noqa: E402
-from rlhpc.config import EnvConfig, ModelConfig  # noqa: E402
+from rlhpc.config.schema import EnvConfig, ModelConfig  # noqa: E402
 from rlhpc.env.base import load  # noqa: E402
 from rlhpc.env.pool import EnvPool  # noqa: E402
 from rlhpc.infer.engines import Completion, Engine  # noqa: E402
 from rlhpc.infer.rollout import episodes  # noqa: E402
+from rlhpc.modeling import models  # noqa: E402
 
 
 class InstantPolicy(Engine):

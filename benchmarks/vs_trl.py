@@ -154,10 +154,10 @@ class TreeCPU(threading.Thread):
 
 
 def run_rlhpc(args, seed: int, sft_model: Path, root: Path) -> Dict:
-    from rlhpc.config import load
-    from rlhpc.metrics import read_rows
-    from rlhpc.rundir import RunDir, read_json
-    from rlhpc.train.evaluation import read_curve
+    from rlhpc.config.schema import load
+    from rlhpc.run.evaluation import read_curve
+    from rlhpc.run.metrics import read_rows
+    from rlhpc.run.rundir import RunDir, read_json
 
     run_dir = root / f"rlhpc-seed{seed}"
     cmd = [sys.executable, "-m", "rlhpc.launch", "+exp=reverse_text", f"run_dir={run_dir}", f"model.path={sft_model}",
@@ -275,12 +275,12 @@ def trl_child(spec_path: str) -> None:
     GRPOConfig = importlib.import_module("trl.trainer.grpo_config").GRPOConfig
 
     from rlhpc import env as env_mod
-    from rlhpc import models
-    from rlhpc.config import load
+    from rlhpc.config.schema import load
     from rlhpc.env import Task
     from rlhpc.infer.engines.hf import HFEngine
     from rlhpc.infer.rollout import evaluate, prompt_ids
-    from rlhpc.train.evaluation import heldout_tasks
+    from rlhpc.modeling import models
+    from rlhpc.run.evaluation import heldout_tasks
     from rlhpc.train.optim import make_optimizer
 
     cfg = load(spec["config"])

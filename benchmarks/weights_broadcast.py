@@ -22,7 +22,7 @@ from datetime import timedelta
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlhpc.rundir import RunDir  # noqa: E402
+from rlhpc.run.rundir import RunDir  # noqa: E402
 from rlhpc.transport.weights import BroadcastReceiver, BroadcastSender  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -4,8 +4,8 @@ exit codes, made from the typed config and the entry points themselves, so that 
     python -m rlhpc.commands                              # the reference as Markdown
     python -m rlhpc.commands --write docs/commands.md     # what tests/test_commands.py compares docs/commands.md with
 
-A key's meaning is the comment right above its field in the dataclass that declares it (rlhpc/config.py; rlhpc/eval.py
-for the eval command's own keys); a line `---- ... ----` there heads the keys below it instead. A section's meaning is
+A key's meaning is the comment right above its field in the dataclass that declares it (rlhpc/config/schema.py;
+rlhpc/eval.py for the eval command's own keys); a line `---- ... ----` there heads the keys below it instead. A section's meaning is
 its dataclass's docstring, else the comment above its field. A command's description is its module's docstring, its
 exit codes the module's EXIT_CODES. `--help` of every entry point prints `page(name)`.
 """
@@ -25,14 +25,12 @@ import sys
 import textwrap
 import tokenize
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from omegaconf import MISSING, OmegaConf
 
-from rlhpc.config import CONF_DIR
-
-WIDTH = 120  # of --help pages and of docs/commands.md's prose
-UNLISTED = "An error not listed here ends with its traceback and exit code 1."
+from rlhpc.config.commandline import UNLISTED, WIDTH, exit_codes_text
+from rlhpc.config.schema import CONF_DIR, Config
 
 
 @dataclass(frozen=True)
@@ -44,7 +42,7 @@ class Command:
     #                                   () for a command that takes no config (argparse)
     words: str = ""  # what follows the script on every command line of this command
     described_in: str = ""  # the module of its docstring and EXIT_CODES, when not the entry's
-    schema: str = "rlhpc.config:Config"
+    schema: str = "rlhpc.config.schema:Config"
     args: str = "[group=option ...] [key=value ...]"
     presets: bool = True  # takes whole experiments (+exp=<name>)
 
@@ -155,7 +153,7 @@ def _type(annotation: Any) -> str:
     return {"Dict": "dict", "List": "list"}.get(text.partition("[")[0], text)
 
 
-def sections(schema: str = "rlhpc.config:Config") -> List[Section]:
+def sections(schema: str = "rlhpc.config.schema:Config") -> List[Section]:
     """Every key of a schema with its type, default (the dataclasses' own, nested sections' included) and meaning, by
     section: the top-level keys first, then each section before the sections inside it."""
     out: List[Section] = []
@@ -179,7 +177,7 @@ def sections(schema: str = "rlhpc.config:Config") -> List[Section]:
     return out
 
 
-def keys(schema: str = "rlhpc.config:Config") -> List[Key]:
+def keys(schema: str = "rlhpc.config.schema:Config") -> List[Key]:
     return [k for s in sections(schema) for k in s.keys]
 
 
@@ -243,26 +241,31 @@ def _choice(group: str) -> Tuple[str, str]:
 # ---- exit codes and argparse commands -------------------------------------------------------------------------------
 
 
-def exit_codes_text(codes: Dict[int, str]) -> str:
-    lines = ["exit codes:"]
-    for code, meaning in codes.items():
-        lines.append(textwrap.fill(meaning, WIDTH, initial_indent=f"  {code:<5}", subsequent_indent=" " * 7))
-    return "\n".join(lines + [textwrap.fill(UNLISTED, WIDTH, initial_indent="  ", subsequent_indent="  ")])
-
-
-def argparser(prog: str, doc: str, codes: Dict[int, str]) -> argparse.ArgumentParser:
-    """The argument parser of a command that takes no config: its `--help` is the module's docstring, the arguments and
-    the exit codes (at a fixed width: the same page on every terminal and in docs/commands.md)."""
-    return argparse.ArgumentParser(
-        prog=prog, description=doc, epilog=exit_codes_text(codes),
-        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=WIDTH, max_help_position=32))
-
-
 def exit_on_help(name: str, argv: Sequence[str]) -> None:
     """For a Hydra command: `--help` or `-h` prints its page and exits 0 (Hydra's own help is `--hydra-help`)."""
     if "--help" in argv or "-h" in argv:
         print(page(name))
         sys.exit(0)
+
+
+def hydra_command(name: str, run: Callable[[Any], None], schema: Optional[type] = None) -> None:
+    """The start the Hydra commands (launch, sft, serve, eval) share: `--help` prints the command's page; the
+    algorithms register their config checks; the typed schema (`schema`, a command's own, or the run's Config) goes
+    into Hydra's ConfigStore; a command line that does not compose ends in one line naming the key, with exit code 2;
+    then Hydra composes the config from conf/ and the command line and calls `run` with it."""
+    import hydra
+    from hydra.core.config_store import ConfigStore
+
+    from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
+    from rlhpc.config.errors import exit_on_composition_error
+
+    argv = sys.argv[1:]
+    exit_on_help(name, argv)
+    node = schema or Config
+    ConfigStore.instance().store(name="rlhpc_schema", node=node)
+    exit_on_composition_error(argv, typed=lambda dcfg: OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(node),
+                                                                                           dcfg)))
+    hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(run)()
 
 
 # ---- the --help page ------------------------------------------------------------------------------------------------
@@ -349,14 +352,14 @@ def markdown() -> str:
     out = [
         "# Commands",
         "",
-        "<!-- Made by `python -m rlhpc.commands --write docs/commands.md` from rlhpc/config.py and the entry points; "
-        "tests/test_commands.py fails when this page differs: change those, then run it again. -->",
+        "<!-- Made by `python -m rlhpc.commands --write docs/commands.md` from rlhpc/config/schema.py and the entry "
+        "points; tests/test_commands.py fails when this page differs: change those, then run it again. -->",
         "",
         "Every command of rlhpc: what it does, the config groups and keys it reads (type, default, meaning) and its "
         "exit codes. `--help` (or `-h`) of each prints the same, from the same source: the typed config "
-        "(rlhpc/config.py) and the commands' own modules. The commands that take a config compose it with Hydra from "
-        "`conf/` and the command line (`group=name`, `key=value`, `+exp=<name>`); `--hydra-help` shows Hydra's own "
-        "flags (`-m` for a sweep, `--cfg job` to print the composed config). " + UNLISTED,
+        "(rlhpc/config/schema.py) and the commands' own modules. The commands that take a config compose it with Hydra "
+        "from `conf/` and the command line (`group=name`, `key=value`, `+exp=<name>`); `--hydra-help` shows Hydra's "
+        "own flags (`-m` for a sweep, `--cfg job` to print the composed config). " + UNLISTED,
         "",
         "| command | what it does |",
         "|---|---|",
@@ -393,8 +396,8 @@ def markdown() -> str:
     for g, options in groups().items():
         how, default = _choice(g)
         out.append(f"| `{g}` | `{how}` | {default} | {', '.join(options)} |")
-    out += ["", "## Keys", "", "Every key of the typed config (rlhpc/config.py) with the default of its dataclass; a "
-            "group's option (`model=...`, `env=...`) or `+exp=...` may set another.", ""]
+    out += ["", "## Keys", "", "Every key of the typed config (rlhpc/config/schema.py) with the default of its "
+            "dataclass; a group's option (`model=...`, `env=...`) or `+exp=...` may set another.", ""]
     for s in sections():
         out += [f"### {_section_heading(s)}", ""]
         if s.meaning:

@@ -40,7 +40,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-from rlhpc.config import Config, ConfigError, EvalConfig, need
+from rlhpc.config.schema import Config, ConfigError, EvalConfig, need
 
 log = logging.getLogger("rlhpc.eval")
 
@@ -97,7 +97,7 @@ def check_report(report: str) -> None:
     """Where the report goes can be written once the evaluation is done: `eval.report` is not a folder, and the nearest
     of its folders that exists takes a new file (the missing ones are created with the report); without eval.report,
     the current folder takes one."""
-    from rlhpc.preflight import one_line
+    from rlhpc.config.errors import one_line
 
     if report:
         path = Path(report)
@@ -159,8 +159,9 @@ def summary(out: Dict[str, Any]) -> str:
 
 def served_tokenizer(path: str | None, key: str):
     """The tokenizer of a served model's folder: all an evaluation against a running server needs of it (no weights)."""
-    from rlhpc import models
-    from rlhpc.preflight import TOKENIZER_FILES, one_line
+    from rlhpc.config.errors import one_line
+    from rlhpc.modeling import models
+    from rlhpc.preflight.checks import TOKENIZER_FILES
 
     hint = " (the served model's folder; set model.path to a copy of it)" if key == "eval.run" else ""
     if not path:
@@ -212,7 +213,7 @@ def report(tasks: Sequence[Any], sampled: List[List[Any]], greedy: List[List[Any
 def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
     import httpx
 
-    from rlhpc import preflight
+    from rlhpc.preflight import checks as preflight
 
     e = cfg.eval
     server, scratch = None, None
@@ -220,11 +221,11 @@ def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
     if cfg.model.path and not (e.run or e.endpoint):
         preflight.check_model(cfg, trainer=False)  # a path that is no folder: said before the imports below
     from rlhpc import env as env_mod
-    from rlhpc import models
     from rlhpc.env.pool import EnvPool
     from rlhpc.infer.engines.remote import RemoteEngine, RemoteEngineError
     from rlhpc.infer.rollout import episodes
     from rlhpc.infer.server import endpoint
+    from rlhpc.modeling import models
 
     preflight.check_context(cfg)
     env = env_mod.load(cfg.env)
@@ -267,7 +268,7 @@ def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
         except (httpx.TransportError, RemoteEngineError) as err:
             # A server killed or stopped mid-evaluation (or failing a request): one line, not a traceback per thread.
             which = f"`{key}`" if key else "the server started here over model.path"
-            problem = (f"the server at {url} stopped answering: {preflight.one_line(err)}"
+            problem = (f"the server at {url} stopped answering: {one_line(err)}"
                        if isinstance(err, httpx.TransportError) else str(err))
             raise ServerFailed(f"{which}: {problem} (no report)") from None
         finally:
@@ -296,24 +297,13 @@ EXIT_CODES = {
 
 
 def main() -> None:
-    import hydra
-    from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
-    from rlhpc import config as config_mod
-    from rlhpc import preflight
-    from rlhpc.commands import exit_on_help
-    from rlhpc.config import CONF_DIR
-    from rlhpc.rundir import write_json
+    from rlhpc.commands import hydra_command
+    from rlhpc.config import schema as config_mod
+    from rlhpc.config.errors import one_line
+    from rlhpc.run.rundir import write_json
 
-    exit_on_help("eval", sys.argv[1:])
-    # The run's schema with the eval command's keys: a wrong key still fails at composition, naming it.
-    ConfigStore.instance().store(name="rlhpc_schema", node=EvalCommandConfig)
-    preflight.exit_on_composition_error(sys.argv[1:], typed=lambda dcfg: OmegaConf.to_object(
-        OmegaConf.merge(OmegaConf.structured(EvalCommandConfig), dcfg)))
-
-    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _run(dcfg) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s eval %(levelname)s: %(message)s", force=True)
         started = time.time()
@@ -345,11 +335,12 @@ def main() -> None:
             # The evaluation is not lost: the report goes to stdout instead.
             print(json.dumps(out, indent=1), flush=True)
             print(f"error: config key `eval.report`: the report (printed above) was not written: "
-                  f"{preflight.one_line(e)}", file=sys.stderr)
+                  f"{one_line(e)}", file=sys.stderr)
             sys.exit(1)
         print(f"report: {written}")
 
-    _run()
+    # The run's schema with the eval command's keys: a wrong key still fails at composition, naming it.
+    hydra_command("eval", _run, schema=EvalCommandConfig)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """`python -m rlhpc.launch +exp=reverse_text [key=value ...]`: compose, check, write the run directory, start the roles.
 
-The config is composed by Hydra on top of the typed schema (rlhpc.config), so a wrong key or type fails here, before
-any process starts; then the model, the environment and the loss are checked (rlhpc.preflight). Every such error is
-one line that names the config key. The launcher (`launcher=local|slurm|sbatch`) then starts the same role entry point
-everywhere.
+The config is composed by Hydra on top of the typed schema (rlhpc.config.schema), so a wrong key or type fails here,
+before any process starts; then the model, the environment and the loss are checked (rlhpc.preflight.checks). Every
+such error is one line that names the config key. The launcher (`launcher=local|slurm|sbatch`) then starts the same
+role entry point everywhere.
 """
 
 from __future__ import annotations
@@ -13,22 +13,23 @@ import sys
 from pathlib import Path
 from typing import Any, List, Optional
 
-from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
 from rlhpc import commands
-from rlhpc import config as config_mod
-from rlhpc import preflight
 from rlhpc.cluster import memory
-from rlhpc.config import CONF_DIR, Config, ConfigError
-from rlhpc.preflight import RunDirError, config_key_error, prepare_run_dir
-from rlhpc.procs import STOP_SIGNALS, exit_code
-from rlhpc.rundir import RunDir, read_json, resume_command
+from rlhpc.config import schema as config_mod
+from rlhpc.config.errors import config_key_error
+from rlhpc.config.schema import Config, ConfigError
+from rlhpc.preflight import checks as preflight
+from rlhpc.preflight import rundir as run_setup
+from rlhpc.preflight.rundir import RunDirError, prepare_run_dir
+from rlhpc.run.procs import STOP_SIGNALS, exit_code
+from rlhpc.run.rundir import RunDir, read_json, resume_command
 
 
 def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = False) -> int:
     """Starts (or resumes) the run of `cfg`; with `attach=inference`, adds workers to the run in run_dir instead, taking
     from the command line (`overrides`, as given) only its inference-side keys (rlhpc.cluster.attach). `new_run`: the
     run_dir is named by the launch's time (the default), so a folder of that name is another launch's (of the same
-    second), and this run takes the next free name instead (preflight.new_run_dir)."""
+    second), and this run takes the next free name instead (run_setup.new_run_dir)."""
     if cfg.attach is not None:
         from rlhpc.cluster.attach import attach
 
@@ -62,9 +63,9 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = F
     if slurm:
         raise ConfigError(slurm)
     if new_run:
-        cfg.run_dir = str(preflight.new_run_dir(Path(cfg.run_dir)))
+        cfg.run_dir = str(run_setup.new_run_dir(Path(cfg.run_dir)))
         launcher = Launcher(cfg)  # placed in the folder made
-    with preflight.launch_lock(Path(cfg.run_dir)):
+    with run_setup.launch_lock(Path(cfg.run_dir)):
         run = prepare_run_dir(cfg)
         code = launcher.start(run)
     if cfg.launcher.name == "local" and code in map(exit_code, STOP_SIGNALS):  # stopped: the roles have ended
@@ -109,14 +110,8 @@ EXIT_CODES = {
 
 
 def main() -> None:
-    import hydra
+    attach = any(a.lstrip("+").startswith("attach=") for a in sys.argv[1:])
 
-    argv = sys.argv[1:]
-    commands.exit_on_help("attach" if any(a.lstrip("+").startswith("attach=") for a in argv) else "launch", argv)
-    config_mod.register()
-    preflight.exit_on_composition_error(argv)
-
-    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _main(dcfg) -> None:
         from hydra.core.hydra_config import HydraConfig
 
@@ -150,7 +145,7 @@ def main() -> None:
                 return
             sys.exit(code)  # Ctrl-C (130) ends a sweep too
 
-    _main()
+    commands.hydra_command("attach" if attach else "launch", _main)
     if FAILED_POINTS:  # the sweep ran every point; its exit code says that some failed
         print(f"sweep: point(s) {', '.join(map(str, FAILED_POINTS))} failed", file=sys.stderr)
         sys.exit(1)

@@ -2,7 +2,7 @@
 
 Left: the SFT loss per warm-start step. Right: held-out reward (greedy) against RL step, with the training rollouts'
 mean reward faded behind it. Reads logs/trainer-0.metrics.jsonl and summary.json (a run still going: run_dir/evals/,
-the held-out results, written by rlhpc/train/evaluation.py). A file it cannot read (a run still writing it, or a
+the held-out results, written by rlhpc/run/evaluation.py). A file it cannot read (a run still writing it, or a
 damaged one) is left out with a note on stderr; a path that is not a run directory, or labels that do not match the
 runs, is an error before anything is drawn. The plot goes to `--out`, by default `curves.png` in the first RUN_DIR
 (beside the run it shows, whichever folder the command runs in); the path written is printed.
@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from rlhpc.metrics import read_rows
-from rlhpc.rundir import RunDir, is_number, read_json_object
+from rlhpc.run.metrics import read_rows
+from rlhpc.run.rundir import RunDir, is_number, read_json_object
 
 
 class PlotError(ValueError):
@@ -37,7 +37,7 @@ def check_runs(run_dirs: List[Path], labels: Optional[List[str]] = None) -> None
 
 def _read(path: Path, numbers: Tuple[str, ...] = ()) -> Optional[Dict[str, Any]]:
     """The JSON object in `path`, or None: one that a run still going is writing, or a damaged one, is left out with a
-    note (rlhpc.rundir.read_json_object)."""
+    note (rlhpc.run.rundir.read_json_object)."""
     problems: Dict[Path, str] = {}
     value = read_json_object(path, problems, numbers)
     for p, why in problems.items():
@@ -50,7 +50,7 @@ def _note(path: Path, why: str) -> None:
 
 
 def _rows(run: RunDir) -> List[dict]:
-    """The trainer's metrics rows as rlhpc.metrics writes them (numbers only); other rows left out, with a note."""
+    """The trainer's metrics rows as rlhpc.run.metrics writes them (numbers only); other rows left out, with a note."""
     rows = read_rows(run, "trainer", 0)
     good = [r for r in rows if isinstance(r, dict) and is_number(r.get("step")) and all(map(is_number, r.values()))]
     if len(good) < len(rows):
@@ -120,7 +120,7 @@ EXIT_CODES = {
 
 
 def parser() -> argparse.ArgumentParser:
-    from rlhpc.commands import argparser
+    from rlhpc.config.commandline import argparser
 
     ap = argparser("rlhpc-plots", __doc__, EXIT_CODES)
     ap.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",

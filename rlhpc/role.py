@@ -1,6 +1,6 @@
 """The one entry point of every role process: `python -m rlhpc.role`.
 
-A role learns who it is from its environment (rlhpc.identity), never from the launcher object.
+A role learns who it is from its environment (rlhpc.run.identity), never from the launcher object.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import logging
 import os
 import sys
 
-from rlhpc import config as config_mod
-from rlhpc.identity import Identity, identity_from_env
-from rlhpc.rundir import RunDir, no_space, out_of_space_advice, space_problem, write_json
-from rlhpc.stop import REQUEUE_EXIT, Stop, install_stop_handlers, stop_requested
+from rlhpc.config import schema as config_mod
+from rlhpc.run.identity import Identity, identity_from_env
+from rlhpc.run.rundir import RunDir, no_space, out_of_space_advice, space_problem, write_json
+from rlhpc.run.stop import REQUEUE_EXIT, Stop, install_stop_handlers, stop_requested
 
 
 def setup_logging(run: RunDir, ident: Identity, level: str) -> None:
@@ -25,7 +25,7 @@ def identity() -> Identity:
     if "RLHPC_ROLE" in os.environ:
         return identity_from_env()
     if "SLURM_JOB_ID" in os.environ:
-        from rlhpc.cluster.slurm_identity import identity_from_slurm
+        from rlhpc.run.slurm_identity import identity_from_slurm
 
         # The task's GPU (trainer: cuda:LOCAL_RANK; engines: rlhpc/infer/engines): the job script exports it, a
         # hand-written `srun python -m rlhpc.role` may not.
@@ -46,9 +46,10 @@ def main() -> int:
     log.info("starting %s rank %d/%d pid %d in %s", ident.role, ident.rank, ident.size, os.getpid(), run.root)
     try:
         if ident.role == "trainer":
+            from rlhpc.infer.rollout import evaluator
             from rlhpc.train.trainer import run_trainer
 
-            if run_trainer(cfg, ident, run) == "requeue":
+            if run_trainer(cfg, ident, run, evaluator) == "requeue":  # the warm start measures through inference's code
                 log.warning("checkpointed after %s; exiting with %d (requeue)", stop_requested(), REQUEUE_EXIT)
                 return REQUEUE_EXIT
         elif ident.role == "inference":

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Optional, Tuple
 
-from rlhpc.procs import on_stop_signals
+from rlhpc.run.procs import on_stop_signals
 
 log = logging.getLogger("rlhpc.serve")
 
@@ -28,7 +28,7 @@ def model_dir(cfg, scratch: Path) -> Path:
     """`model.path`, or the tiny model of `cfg.model` built in code under `scratch` (once)."""
     if cfg.model.path:
         return Path(cfg.model.path)
-    from rlhpc import models
+    from rlhpc.modeling import models
 
     out = scratch / "base_model"
     return out if (out / "config.json").exists() else models.build(cfg.model, out)
@@ -69,8 +69,8 @@ SERVE_MARK = "SERVED"
 def serve_dir(cfg):
     """The run directory to serve from: new, empty, or one this command served from before. Any other (a training
     run's, above all) is refused before anything is written: the server writes its own config.yaml there."""
-    from rlhpc.config import ConfigError
-    from rlhpc.rundir import RunDir
+    from rlhpc.config.schema import ConfigError
+    from rlhpc.run.rundir import RunDir
 
     run = RunDir(Path(cfg.run_dir))
     if run.root.exists() and not run.root.is_dir():
@@ -92,19 +92,10 @@ EXIT_CODES = {
 
 
 def main() -> None:
-    import hydra
+    from rlhpc.commands import hydra_command
+    from rlhpc.config import schema as config_mod
+    from rlhpc.preflight import checks as preflight
 
-    from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
-    from rlhpc import config as config_mod
-    from rlhpc import preflight
-    from rlhpc.commands import exit_on_help
-    from rlhpc.config import CONF_DIR
-
-    exit_on_help("serve", sys.argv[1:])
-    config_mod.register()
-    preflight.exit_on_composition_error(sys.argv[1:])
-
-    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _run(dcfg) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s: %(message)s", force=True)
         try:
@@ -141,7 +132,7 @@ def main() -> None:
             # Not the interpreter's teardown: a batcher thread still inside torch would abort the process there.
             os._exit(0)
 
-    _run()
+    hydra_command("serve", _run)
 
 
 if __name__ == "__main__":

@@ -23,28 +23,20 @@ EXIT_CODES = {
 
 def main() -> None:
     """Standalone SFT: build or load the model, train, evaluate greedy held-out reward, export in HF format."""
-    import hydra
+    from rlhpc.commands import exit_on_help, hydra_command
 
-    from rlhpc.commands import exit_on_help
-
-    exit_on_help("sft", sys.argv[1:])
-    from rlhpc import algo  # noqa: F401  (registers the algorithms' config checks)
-    from rlhpc import config as config_mod
+    exit_on_help("sft", sys.argv[1:])  # before the imports below
     from rlhpc import env as env_mod
-    from rlhpc import models
+    from rlhpc.config import schema as config_mod
     from rlhpc.infer.engines.hf import HFEngine
-    from rlhpc.infer.rollout import evaluate
-    from rlhpc.config import CONF_DIR
-    from rlhpc import preflight
-    from rlhpc.preflight import RunDirError, prepare_run_dir
-    from rlhpc.rundir import RunDir, write_json
-    from rlhpc.train.evaluation import heldout_tasks
+    from rlhpc.infer.rollout import evaluate, evaluator
+    from rlhpc.modeling import models
+    from rlhpc.preflight import checks as preflight
+    from rlhpc.preflight.rundir import RunDirError, prepare_run_dir
+    from rlhpc.run.evaluation import heldout_tasks
+    from rlhpc.run.rundir import RunDir, write_json
     from rlhpc.train.warmstart import sft_train
 
-    config_mod.register()
-    preflight.exit_on_composition_error(sys.argv[1:])
-
-    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _run(dcfg) -> None:
         try:
             cfg = config_mod.to_typed(dcfg)
@@ -66,7 +58,8 @@ def main() -> None:
             before = evaluate(engine, env, tok, eval_tasks, cfg.env)
             t0 = time.time()
             losses = sft_train(model, tok, env, cfg,
-                               on_step=lambda s, l: s % 50 == 0 and log.info("sft step %d loss %.4f", s, l))
+                               on_step=lambda s, l: s % 50 == 0 and log.info("sft step %d loss %.4f", s, l),
+                               evaluator=evaluator)
             after = evaluate(engine, env, tok, eval_tasks, cfg.env)
         finally:
             env.close()
@@ -77,7 +70,7 @@ def main() -> None:
         write_json(RunDir(run.root).summary, out)
         print(f"SFT: held-out reward {before:.3f} -> {after:.3f} in {out['wall_time_s']:.0f}s; model in {run.model}")
 
-    _run()
+    hydra_command("sft", _run)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,14 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from rlhpc.metrics import bottleneck, busy_by_process, current, phase_of
-from rlhpc.procs import tail
-from rlhpc.rundir import (RunDir, free_bytes, is_number, out_of_space_advice, read_json_object, runs_module,
+from rlhpc.run.metrics import bottleneck, busy_by_process, current, phase_of
+from rlhpc.run.procs import tail
+from rlhpc.run.rundir import (RunDir, free_bytes, is_number, out_of_space_advice, read_json_object, runs_module,
                           size_text, space_problem)
-from rlhpc.train.evaluation import read_curve
+from rlhpc.run.evaluation import read_curve
 
-# The files the status could not read -> why (rlhpc.rundir.read_json_object); shown by their path in the run directory.
+# The files the status could not read -> why (rlhpc.run.rundir.read_json_object); shown by their path in the run
+# directory.
 Unreadable = Dict[Path, str]
 
 
@@ -36,7 +37,7 @@ def _in_run(run: RunDir, path: Path) -> str:
 
 def _metrics_tail(path: Path, max_bytes: int = 256 << 10, run: Optional[RunDir] = None,
                   bad: Optional[Unreadable] = None) -> List[Dict[str, Any]]:
-    """The last rows of a metrics.jsonl (only its end is read: the file grows with the run). Rows as rlhpc.metrics
+    """The last rows of a metrics.jsonl (only its end is read: the file grows with the run). Rows as rlhpc.run.metrics
     writes them, numbers only; any other row is skipped and, with `bad`, counted there."""
     try:
         with open(path, "rb") as f:
@@ -53,7 +54,7 @@ def _metrics_tail(path: Path, max_bytes: int = 256 << 10, run: Optional[RunDir] 
         except json.JSONDecodeError:  # a line cut by a crash or by the seek
             continue
         if isinstance(row, dict) and "resumed" in row:
-            rows.append(row)  # a resume's mark (rlhpc.metrics.current)
+            rows.append(row)  # a resume's mark (rlhpc.run.metrics.current)
         elif isinstance(row, dict) and "step" in row and all(is_number(v) for v in row.values()):
             rows.append(row)
         else:  # the sums and comparisons below would fail on it
@@ -100,7 +101,7 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
     else:
         out["state"] = "running or not started"
 
-    from rlhpc.cluster.slurm_jobs import FINAL, recorded_jobs
+    from rlhpc.run.slurm_jobs import FINAL, recorded_jobs
 
     jobs = recorded_jobs(run, bad)
     out["jobs"] = []
@@ -108,7 +109,7 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
         job: Dict[str, Any] = {"job_id": entry["job_id"], "name": entry.get("name", ""),
                                "launcher": entry.get("launcher", "")}
         if slurm:
-            from rlhpc.cluster.slurm_jobs import query
+            from rlhpc.run.slurm_jobs import query
 
             st = query(entry["job_id"])
             job.update(state=st.state, source=st.source,
@@ -202,7 +203,7 @@ def collect(run: RunDir, slurm: bool = True) -> Dict[str, Any]:
 def _launcher_gone(run: RunDir, heartbeats: Dict[str, Dict[str, Any]]) -> Optional[str]:
     """For a local run: its launcher ("pid N on <host>", from the launch lock) when neither it nor any role of the run
     is alive on this machine; None when one is, or when this machine cannot tell (a launch from another host)."""
-    from rlhpc.preflight import launcher_of
+    from rlhpc.preflight.rundir import launcher_of
 
     launcher = launcher_of(run.root)
     if launcher is None or launcher[1] != os.uname().nodename:
@@ -310,7 +311,7 @@ EXIT_CODES = {
 
 
 def parser() -> argparse.ArgumentParser:
-    from rlhpc.commands import argparser
+    from rlhpc.config.commandline import argparser
 
     ap = argparser("rlhpc-status", __doc__, EXIT_CODES)
     ap.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (run_dir=... of the launch)")

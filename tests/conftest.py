@@ -37,7 +37,7 @@ def pytest_configure(config):
     """The tests stop rlhpc's commands as a user does (Ctrl-C, a closed terminal) and check that each one ends what it
     started. A shell that runs the suite in the background without job control starts it ignoring SIGINT, `nohup`
     ignoring SIGHUP, and an ignored signal stays ignored in every process started from here, where rlhpc's commands
-    rightly leave it so (rlhpc.procs.on_stop_signals). The suite puts both back to what a terminal's shell gives."""
+    rightly leave it so (rlhpc.run.procs.on_stop_signals). The suite puts both back to what a terminal's shell gives."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
@@ -162,7 +162,7 @@ CHAOS_STEPS, CHAOS_CHECKPOINT = 70, 10
 @pytest.fixture(scope="session")
 def chaos_calm(tmp_path_factory, quickstart_sft_model):
     """An undisturbed local run with the chaos runs' settings and seed: {"sft": .., "rl": ..} held-out rewards."""
-    from rlhpc.cluster.chaos import heldout, rl_overrides
+    from faults import heldout, rl_overrides
 
     run_dir = tmp_path_factory.mktemp("chaos-calm") / "run"
     calm = subprocess.run([sys.executable, "-m", "rlhpc.launch",

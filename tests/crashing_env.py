@@ -11,7 +11,7 @@ from reverse_text import ReverseText  # noqa: E402
 def _role() -> str:
     if "RLHPC_ROLE" in os.environ:
         return os.environ["RLHPC_ROLE"]
-    from rlhpc.cluster.slurm_identity import role_and_rank
+    from rlhpc.run.slurm_identity import role_and_rank
 
     return role_and_rank(os.environ)[0] if "SLURM_JOB_ID" in os.environ else ""
 

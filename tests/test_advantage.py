@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhpc.algo.advantage import group_advantages, keep_group, shaped_rewards
-from rlhpc.config import AlgoConfig, ConfigError
+from rlhpc.config.schema import AlgoConfig, ConfigError
 
 REWARDS = [1.0, 0.0, 0.5, 1.0]
 LENGTHS = [10, 32, 20, 5]

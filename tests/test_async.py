@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from rlhpc.cores import cores
-from rlhpc.metrics import bottleneck
+from rlhpc.run.cores import cores
+from rlhpc.run.metrics import bottleneck
 
 SMALL = ["+exp=reverse_text", "sft.steps=5", "eval.num_tasks=8", "eval.interval=0", "launcher.progress=false",
          "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1", "trainer.steps=12"]
@@ -27,7 +27,7 @@ def run(tmp_path, *overrides):
 @pytest.mark.slow
 def test_glm5s_inference_logprobs_are_the_trainers_in_synchronous_mode(tmp_path):
     # GLM-5's indexer breaks ties among equal scores by order in the transformers engine as in the trainer
-    # (rlhpc/train/sparse.py); with transformers' own choice the mismatch KL was ~1e-4.
+    # (rlhpc/modeling/sparse.py); with transformers' own choice the mismatch KL was ~1e-4.
     _, rows = run(tmp_path, "async_level=0", "model=tiny_glm5", "trainer.steps=3", "trainer.groups_per_step=4",
                   "inference.groups_per_batch=2")
     assert len(rows) == 3

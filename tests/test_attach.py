@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from rlhpc import config as config_mod
 from rlhpc.cluster.attach import allocate_ranks
-from rlhpc.cluster.slurm_identity import identity_from_slurm, role_and_rank
-from rlhpc.rundir import RunDir
+from rlhpc.config import schema as config_mod
+from rlhpc.run.rundir import RunDir
+from rlhpc.run.slurm_identity import identity_from_slurm, role_and_rank
 from test_launch import SMALL, rlhpc_processes
 from test_slurm_launch import cluster  # noqa: F401  (cluster: the fixture)
 

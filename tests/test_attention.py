@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlhpc import models
+from rlhpc.modeling import models
 from rlhpc.train import attention
 from rlhpc.train.batching import ATTENTION, Row, pack
 from test_moe import preset
@@ -55,7 +55,7 @@ def _kept_bytes(W: int, block_elements: int) -> int:
 
 
 def test_blocks_of_queries_attend_only_to_the_keys_glm5s_indexer_chose():
-    from rlhpc.train import sparse
+    from rlhpc.modeling import sparse
 
     packed = packed_rows()
     R, W = packed.segments.shape
@@ -78,7 +78,7 @@ def test_blocks_of_queries_attend_only_to_the_keys_glm5s_indexer_chose():
 def test_glm5_set_up_for_packed_rows_still_generates_as_before(tmp_path, monkeypatch):
     # The trainer's GLM-5 runs this attention; generation and evaluation (a cache, a 2-D mask) then apply the
     # indexer's choice here as transformers' sdpa path does.
-    from rlhpc.train import sparse
+    from rlhpc.modeling import sparse
 
     glm5 = preset("tiny_glm5")
     glm5.extra["index_topk"] = 4
@@ -122,8 +122,8 @@ def test_a_model_set_up_for_packed_rows_still_generates_as_before(tmp_path, monk
 
 @pytest.mark.slow
 def test_a_step_over_packed_rows_in_blocks_has_the_loss_and_gradients_of_padded_samples(tmp_path):
-    from rlhpc.config import ModelConfig
-    from rlhpc.rundir import RunDir
+    from rlhpc.config.schema import ModelConfig
+    from rlhpc.run.rundir import RunDir
     from test_trainer_math import run_ranks
 
     RunDir(tmp_path).make()

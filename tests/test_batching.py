@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlhpc import models
+from rlhpc.config.schema import ModelConfig
+from rlhpc.modeling import models
+from rlhpc.run.procs import free_port
 from rlhpc.train.batching import pad, token_logprobs
-from rlhpc.config import ModelConfig
-from rlhpc.procs import free_port
 
 CTX = mp.get_context("forkserver")  # preloaded with torch and the trainer (tests/conftest.py)
 SEQS = [[5, 9, 44, 70, 2, 3, 120, 121, 30, 31, 32], [7, 8, 100, 101, 102, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
@@ -105,7 +105,7 @@ def _fsdp_worker(model_dir, rank, world, port, out):
     try:
         import torch.distributed as dist
 
-        from rlhpc.config import TrainerConfig
+        from rlhpc.config.schema import TrainerConfig
         from rlhpc.train.parallel import apply_fsdp
 
         torch.set_num_threads(1)

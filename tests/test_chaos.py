@@ -2,7 +2,7 @@
 are corrupted and a worker freezes for seconds. The run completes; the ledger shows every step trained once, no group
 twice and none lost; the final held-out reward is within REWARD_TOLERANCE of an undisturbed run of the same seed.
 
-The injections and the accounting live in rlhpc/cluster/chaos.py (shared with benchmarks/chaos.py); the Slurm version of this
+The injections and the accounting live in tests/faults.py (shared with benchmarks/chaos.py); the Slurm version of this
 test is in tests/test_chaos_slurm.py.
 """
 
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import CHAOS_CHECKPOINT as CHECKPOINT, CHAOS_STEPS as STEPS
-from rlhpc.cluster.chaos import LocalChaos, account, heldout, rl_overrides, survived
+from faults import LocalChaos, account, heldout, rl_overrides, survived
 from test_launch import rlhpc_processes
 
 # |held-out reward of the disturbed run - that of the undisturbed run|, both RL from the same warm start with the same

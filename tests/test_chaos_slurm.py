@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from conftest import CHAOS_CHECKPOINT as CHECKPOINT, CHAOS_STEPS as STEPS
-from rlhpc.cluster.chaos import (account, corrupt_pending_file, heldout, kill_role, ledger, rl_overrides, snapshot,
+from faults import (account, corrupt_pending_file, heldout, kill_role, ledger, rl_overrides, snapshot,
                                  survived, wait_steps)
 from test_chaos import MIN_GAIN, REWARD_TOLERANCE
 from test_slurm_launch import ON_CLUSTER, _slurm, cluster, status  # noqa: F401  (cluster: the fixture)

@@ -40,7 +40,7 @@ def help_of(cmd: Command, flag: str, monkeypatch, capsys) -> str:
     return capsys.readouterr().out
 
 
-@pytest.mark.parametrize("schema", ["rlhpc.config:Config", "rlhpc.eval:EvalCommandConfig"])
+@pytest.mark.parametrize("schema", ["rlhpc.config.schema:Config", "rlhpc.eval:EvalCommandConfig"])
 def test_every_key_of_the_typed_config_has_a_meaning(schema):
     missing = [k.path for k in commands.keys(schema) if not k.meaning]
     assert not missing, f"keys without a comment above their field: {missing}"

@@ -7,9 +7,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import rlhpc.algo  # noqa: F401  (registers the algorithms' config checks)
-from rlhpc import config as config_mod
-from rlhpc.config import ConfigError, to_typed, validate
-from rlhpc.config import CONF_DIR
+from rlhpc.config import schema as config_mod
+from rlhpc.config.schema import CONF_DIR
+from rlhpc.config.schema import ConfigError, to_typed, validate
 
 
 def composed(*overrides):

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from rlhpc import models
-from rlhpc.config import ConfigError, ModelConfig, validate
-from rlhpc.rundir import RunDir
+from rlhpc.config.schema import ConfigError, ModelConfig, validate
+from rlhpc.modeling import models
+from rlhpc.run.rundir import RunDir
 from test_config import composed
 from test_eval_offload import launch
 from test_moe import preset

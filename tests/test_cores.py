@@ -3,8 +3,8 @@ processes while it waits, shared evenly, never above the machine's cores, and co
 
 import torch
 
-from rlhpc import cores
-from rlhpc.rundir import RunDir
+from rlhpc.run import cores
+from rlhpc.run.rundir import RunDir
 
 
 def test_a_waiting_worker_lends_its_threads_to_the_trainer_until_it_works_again(tmp_path, monkeypatch):
@@ -52,8 +52,8 @@ def test_idle_threads_are_shared_between_borrowers_and_capped_at_the_cores(tmp_p
 
 
 def test_a_borrower_looks_before_each_block_of_a_forward_and_of_its_backward(tmp_path, monkeypatch):
-    from rlhpc import models
-    from rlhpc.config import ModelConfig
+    from rlhpc.config.schema import ModelConfig
+    from rlhpc.modeling import models
 
     monkeypatch.setattr(cores, "EVERY_S", 0.0)
     run = RunDir(tmp_path).make()

@@ -119,8 +119,8 @@ def test_the_preset_table_of_scaling_md_shows_what_the_dry_run_prints(monkeypatc
     (rlhpc/cluster/memory.py, for a checkpoint only the cluster can read, as on a login node)."""
     from hydra import compose, initialize_config_dir
 
-    from rlhpc import config as config_mod
     from rlhpc.cluster import memory
+    from rlhpc.config import schema as config_mod
 
     monkeypatch.setenv("RLHPC_MODEL_PATH", "/nonexistent/checkpoint-on-the-cluster")
     rows = {}

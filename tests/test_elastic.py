@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from rlhpc import config as config_mod
-from rlhpc.config import ConfigError
+from rlhpc.config import schema as config_mod
+from rlhpc.config.schema import ConfigError
 from test_launch import SMALL, rlhpc_processes
 
 
@@ -71,7 +71,7 @@ def test_a_killed_worker_is_restarted_and_rejoins_at_the_current_version(tmp_pat
 def test_a_snapshot_written_after_a_resume_replaces_the_later_ones_left_from_before(tmp_path):
     import torch
 
-    from rlhpc.rundir import RunDir
+    from rlhpc.run.rundir import RunDir
     from rlhpc.transport.weights import latest_snapshot, load_snapshot, write_snapshot
 
     run = RunDir(tmp_path).make()
@@ -88,13 +88,13 @@ def test_a_worker_that_joins_after_the_last_update_takes_the_final_snapshot(tmp_
     never one the trainer has not published."""
     import torch
 
-    from rlhpc import models
-    from rlhpc.config import ModelConfig
-    from rlhpc.identity import Identity
+    from rlhpc.config.schema import ModelConfig
     from rlhpc.infer.engines.hf import HFEngine
     from rlhpc.infer.worker import _catch_up
-    from rlhpc.names import checkpoint_layout
-    from rlhpc.rundir import RunDir
+    from rlhpc.modeling import models
+    from rlhpc.modeling.names import checkpoint_layout
+    from rlhpc.run.identity import Identity
+    from rlhpc.run.rundir import RunDir
     from rlhpc.train.publish import Publisher, full_state
     from rlhpc.transport.weights import latest_snapshot, load_snapshot
 
@@ -126,10 +126,10 @@ def test_interval_snapshots_are_written_from_the_stream_as_it_is_broadcast(tmp_p
     (a writer thread takes each tensor as it passes, no full copy), and holds exactly the version published."""
     import torch
 
-    from rlhpc import models
-    from rlhpc.config import ModelConfig
-    from rlhpc.identity import Identity
-    from rlhpc.rundir import RunDir
+    from rlhpc.config.schema import ModelConfig
+    from rlhpc.modeling import models
+    from rlhpc.run.identity import Identity
+    from rlhpc.run.rundir import RunDir
     from rlhpc.train.publish import Publisher, full_state
     from rlhpc.transport.weights import latest_snapshot, load_snapshot
 

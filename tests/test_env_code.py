@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rlhpc.config import EnvConfig, SandboxLimitsConfig
+from rlhpc.config.schema import EnvConfig, SandboxLimitsConfig
 from rlhpc.env import load
 from rlhpc.env.base import play
 from rlhpc.env.sandbox import SandboxUnavailable

@@ -9,10 +9,10 @@ from itertools import islice
 import pytest
 from hydra import compose, initialize_config_dir
 
-from rlhpc import config as config_mod
-from rlhpc.config import EnvConfig, to_typed
+from rlhpc.config import schema as config_mod
+from rlhpc.config.schema import CONF_DIR
+from rlhpc.config.schema import EnvConfig, to_typed
 from rlhpc.env import Task, load
-from rlhpc.config import CONF_DIR
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhpc import models
-from rlhpc.config import EnvConfig, ModelConfig
+from rlhpc.config.schema import EnvConfig, ModelConfig
 from rlhpc.env import load
 from rlhpc.env.episode import EnvironmentFailure, Renderer, check_failures, failures, run_episodes
 from rlhpc.env.pool import EnvPool
 from rlhpc.infer.engines.hf import HFEngine
+from rlhpc.modeling import models
 from rlhpc.train.batching import pad, token_logprobs
 
 sys.path.insert(0, str(Path(__file__).parent))

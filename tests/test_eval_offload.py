@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from rlhpc import config as config_mod
-from rlhpc.config import Config
-from rlhpc.rundir import RunDir
-from rlhpc.train.evaluation import eval_owed, read_curve
+from rlhpc.config import schema as config_mod
+from rlhpc.config.schema import Config
+from rlhpc.run.evaluation import eval_owed, read_curve
+from rlhpc.run.rundir import RunDir
 
 SMALL = ["+exp=reverse_text", "sft.steps=5", "eval.num_tasks=8", "launcher.progress=false",
          "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1"]
@@ -53,7 +53,8 @@ def test_the_warm_start_records_version_0_and_lets_its_model_go(tmp_path):
     from transformers import PreTrainedModel
 
     from rlhpc import env as env_mod
-    from rlhpc.metrics import Metrics
+    from rlhpc.infer.rollout import evaluator
+    from rlhpc.run.metrics import Metrics
     from rlhpc.train.warmstart import warm_start
 
     cfg = config_mod.to_typed({"run_dir": str(tmp_path), "sft": {"steps": 2, "batch_size": 2}, "eval": {"num_tasks": 2},
@@ -65,7 +66,7 @@ def test_the_warm_start_records_version_0_and_lets_its_model_go(tmp_path):
     run = RunDir(tmp_path).make()
     metrics = Metrics(run, "trainer", 0)
     before = models_alive()
-    out = warm_start(cfg, run, env_mod.load(cfg.env), metrics, 0)
+    out = warm_start(cfg, run, env_mod.load(cfg.env), metrics, 0, evaluator)
     metrics.close()
     assert read_curve(run) == [(0, out["heldout_reward_sft"])]
     assert models_alive() <= before  # nothing of the SFT model is left for RL

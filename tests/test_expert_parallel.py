@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from rlhpc import models
-from rlhpc.config import ConfigError, ModelConfig
-from rlhpc.rundir import RunDir
+from rlhpc.config.schema import ConfigError, ModelConfig
+from rlhpc.modeling import models
+from rlhpc.run.rundir import RunDir
 from test_moe import IDS, preset
 from test_trainer_math import _trainer, first_report, free_port, make_batch
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhpc.rundir import atomic_write, space_problem
+from rlhpc.run.rundir import atomic_write, space_problem
 from rlhpc.train import checkpoint
 from rlhpc.transport.queue import Queue
 from test_queue import make_batch
@@ -131,7 +131,7 @@ def test_a_launch_that_cannot_reach_its_first_checkpoint_is_refused_before_writi
 @pytest.mark.slow
 def test_a_disk_that_fills_mid_run_stops_it_at_once_naming_it_and_the_same_command_resumes(small_fs,
                                                                                         quickstart_sft_model):
-    from rlhpc.cluster.chaos import rl_overrides
+    from faults import rl_overrides
 
     fs = small_fs(64)
     run = fs / "run"

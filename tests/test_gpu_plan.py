@@ -23,8 +23,8 @@ GPU_CLUSTER = ["cluster=gpu_example", "trainer.num_ranks=16", "inference.num_wor
 def composed(*overrides: str):
     from hydra import compose, initialize_config_dir
 
-    from rlhpc import config as config_mod
-    from rlhpc.config import CONF_DIR
+    from rlhpc.config import schema as config_mod
+    from rlhpc.config.schema import CONF_DIR
 
     config_mod.register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

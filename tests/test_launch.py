@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from rlhpc.metrics import read_rows
-from rlhpc.rundir import RunDir
-from rlhpc.train.evaluation import read_curve
+from rlhpc.run.evaluation import read_curve
+from rlhpc.run.metrics import read_rows
+from rlhpc.run.rundir import RunDir
 from test_weights_members import alarms
 
 TESTS = Path(__file__).resolve().parent
@@ -96,7 +96,7 @@ def test_a_trainer_killed_by_a_signal_is_named_as_the_cause_not_the_worker_that_
 def test_a_logs_tail_shows_the_process_that_ended_not_an_earlier_attempts_last_words(tmp_path):
     """Role logs are appended to over a run's launches and restarts; the launcher marks each start (LOG_START) and
     the tails it, rlhpc.status and the Slurm report show begin after the last mark."""
-    from rlhpc.procs import LOG_START, tail
+    from rlhpc.run.procs import LOG_START, tail
 
     log = tmp_path / "inference-1.log"
     log.write_text(f"{LOG_START} inference-1 at 2026-12-05 10:00:00 (launch 1-2)\nRuntimeError: weights group failed\n"
@@ -218,7 +218,7 @@ def test_closing_the_terminal_ends_every_process_and_the_trainer_checkpoints(tmp
 
 def test_under_nohup_a_closed_terminal_does_not_stop_the_launcher():
     """`nohup` starts a process ignoring SIGHUP so that it outlives the terminal: the launcher keeps it ignored."""
-    from rlhpc.procs import on_stop_signals
+    from rlhpc.run.procs import on_stop_signals
 
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     signal.signal(signal.SIGHUP, signal.SIG_IGN)

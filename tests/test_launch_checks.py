@@ -13,10 +13,12 @@ import pytest
 from omegaconf import OmegaConf
 
 import rlhpc.algo  # noqa: F401  (registers the algorithms' config checks)
-from rlhpc import config as config_mod
-from rlhpc import models, preflight
-from rlhpc.config import ConfigError, ModelConfig
-from rlhpc.preflight import RunDirError, prepare_run_dir
+from rlhpc.config import schema as config_mod
+from rlhpc.config.schema import ConfigError, ModelConfig
+from rlhpc.modeling import models
+from rlhpc.preflight import checks as preflight
+from rlhpc.preflight import rundir as run_setup
+from rlhpc.preflight.rundir import RunDirError, prepare_run_dir
 
 TESTS = Path(__file__).resolve().parent
 
@@ -339,7 +341,7 @@ def test_a_run_that_never_trained_may_be_relaunched_with_any_config(tmp_path):
 def test_the_changes_ignore_keys_a_saved_config_lacks(tmp_path):
     saved = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(cfg_of(tmp_path))))
     del saved.trainer["max_bad_steps"]  # written by an older rlhpc
-    assert preflight.training_changes(saved, cfg_of(tmp_path, trainer={"max_bad_steps": 9})) == []
+    assert run_setup.training_changes(saved, cfg_of(tmp_path, trainer={"max_bad_steps": 9})) == []
 
 
 @pytest.mark.slow
@@ -379,7 +381,7 @@ def test_launches_named_by_the_same_second_get_folders_of_their_own(tmp_path):
 def test_a_run_dir_given_by_name_is_never_renamed_and_a_launch_into_it_meanwhile_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     assert write_job(tmp_path, f"run_dir={run_dir}").returncode == 0
-    with preflight.launch_lock(run_dir):  # another launch is writing it now
+    with run_setup.launch_lock(run_dir):  # another launch is writing it now
         proc = write_job(tmp_path, f"run_dir={run_dir}")
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"error: run_dir={run_dir} is being launched into right now (pid {os.getpid()} on "
@@ -389,11 +391,11 @@ def test_a_run_dir_given_by_name_is_never_renamed_and_a_launch_into_it_meanwhile
 
 
 def test_new_run_dirs_are_made_exclusively(tmp_path):
-    made = [preflight.new_run_dir(tmp_path / "runs" / "x") for _ in range(3)]
+    made = [run_setup.new_run_dir(tmp_path / "runs" / "x") for _ in range(3)]
     assert [p.name for p in made] == ["x", "x-2", "x-3"] and all(p.is_dir() for p in made)
     (tmp_path / "afile").write_text("")
     with pytest.raises(RunDirError, match=r"afile/x cannot be created: .*; choose another run_dir"):
-        preflight.new_run_dir(tmp_path / "afile" / "x")
+        run_setup.new_run_dir(tmp_path / "afile" / "x")
 
 
 @pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)

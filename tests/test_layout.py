@@ -106,30 +106,122 @@ def test_a_planted_cycle_is_found():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-@pytest.mark.parametrize("folder", ["rlhpc.train", "rlhpc.infer", "rlhpc.transport", "rlhpc.algo", "rlhpc.env"])
-def test_roles_and_their_parts_never_import_a_launcher(folder):
+# ---- the folder graph ------------------------------------------------------------------------------------------------
+
+# The top floor: the commands users type (`python -m rlhpc.<name>`) and the reference of every command.
+TOP_FLOOR = {"rlhpc", "rlhpc.launch", "rlhpc.role", "rlhpc.sft", "rlhpc.serve", "rlhpc.eval", "rlhpc.status",
+             "rlhpc.plots", "rlhpc.commands"}
+# Which folders each folder may import directly (docs/code-map.md draws it). Every folder of the package is here, and
+# the table itself is one-way: a folder never reaches itself, however indirectly.
+ALLOWED: Dict[str, Set[str]] = {
+    "config": set(),
+    "patches": set(),
+    "modeling": {"config", "patches"},
+    "run": {"config", "modeling"},
+    "algo": {"config"},
+    "transport": {"config", "modeling", "run"},
+    "env": {"config", "modeling", "patches", "run"},
+    "infer": {"config", "patches", "modeling", "run", "algo", "transport", "env"},
+    "train": {"config", "patches", "modeling", "run", "algo", "transport", "env"},
+    "preflight": {"config", "modeling", "run", "algo", "env", "infer", "train"},
+    "cluster": {"config", "modeling", "run", "preflight"},
+    "top": {"config", "patches", "modeling", "run", "algo", "transport", "env", "infer", "train", "preflight",
+            "cluster"},
+}
+
+
+def folder_of(module: str) -> str:
+    """`rlhpc.train.step` -> "train"; a module of the top floor -> "top"."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PKG / parts[1]).is_dir()) else "top"
+
+
+def folder_graph(g: Dict[str, Set[str]]) -> Dict[str, Dict[str, List[str]]]:
+    """folder -> folder it imports -> the module imports that make the edge ("a -> b")."""
+    out: Dict[str, Dict[str, List[str]]] = {}
+    for m, deps in sorted(g.items()):
+        for d in sorted(deps):
+            a, b = folder_of(m), folder_of(d)
+            if a != b:
+                out.setdefault(a, {}).setdefault(b, []).append(f"{m} -> {d}")
+    return out
+
+
+def reachable(edges: Dict[str, Set[str]]) -> Dict[str, Set[str]]:
+    """Every folder each folder reaches, directly or through others."""
+    out = {}
+    for start in edges:
+        seen, todo = set(), list(edges[start])
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo += edges.get(n, ())
+        out[start] = seen
+    return out
+
+
+def layering_errors(g: Dict[str, Set[str]], allowed: Dict[str, Set[str]]) -> List[str]:
+    """What breaks the layering: a folder the table lacks, a direct import the table does not allow."""
+    errors = [f"folder {f}: not in the layering table" for f in sorted({folder_of(m) for m in g} - set(allowed))]
+    for a, targets in sorted(folder_graph(g).items()):
+        for b, why in sorted(targets.items()):
+            if b not in allowed.get(a, set()):
+                errors.append(f"{a} imports {b}: {'; '.join(why)}")
+    return errors
+
+
+def test_the_layering_table_is_one_way():
+    assert not [f for f, targets in reachable(ALLOWED).items() if f in targets]
+
+
+def test_every_folder_imports_only_the_folders_below_it():
+    assert layering_errors(graph(), ALLOWED) == []
+
+
+def test_every_folder_reaches_only_what_the_table_allows_and_never_itself():
+    does = reachable({a: set(t) for a, t in folder_graph(graph()).items()})
+    may = reachable(ALLOWED)
+    assert {a: sorted(t - may[a]) for a, t in does.items() if t - may[a]} == {}
+    assert [f for f, targets in does.items() if f in targets] == []
+
+
+def test_the_trainer_and_inference_reach_neither_each_other_nor_the_launchers():
+    does = reachable({a: set(t) for a, t in folder_graph(graph()).items()})
+    assert not does["train"] & {"infer", "preflight", "cluster", "top"}, does["train"]
+    assert not does["infer"] & {"train", "preflight", "cluster", "top"}, does["infer"]
+    assert not does["env"] & {"infer", "train", "transport", "top"}, does["env"]
+
+
+def test_the_top_floor_holds_only_what_users_type():
+    assert {m for m in module_names() if folder_of(m) == "top"} == TOP_FLOOR
+
+
+def test_nothing_below_the_top_floor_imports_it():
     g = graph()
-    wrong = {m: sorted(i for i in deps if i.startswith("rlhpc.cluster") or i in ("rlhpc.launch", "rlhpc.role", "rlhpc.sft"))
-             for m, deps in g.items() if m == folder or m.startswith(folder + ".")}
-    assert not {m: d for m, d in wrong.items() if d}, wrong
+    wrong = {m: sorted(d for d in deps if folder_of(d) == "top") for m, deps in g.items() if folder_of(m) != "top"}
+    assert not {m: d for m, d in wrong.items() if d}
 
 
+def test_a_planted_upward_import_is_found():
+    g = {"rlhpc.run.procs": {"rlhpc.train.step"}, "rlhpc.train.step": set()}
+    assert layering_errors(g, ALLOWED) == ["run imports train: rlhpc.run.procs -> rlhpc.train.step"]
+    g = {"rlhpc.algo.loss": {"rlhpc.config.schema"}, "rlhpc.config.schema": {"rlhpc.algo.loss"}}
+    assert "config imports algo: rlhpc.config.schema -> rlhpc.algo.loss" in layering_errors(g, ALLOWED)
+    assert layering_errors({"rlhpc.newfolder.x": set()}, ALLOWED) == ["folder newfolder: not in the layering table"]
 
-# What the inference role takes from the trainer's folder (docs/code-map.md): the held-out schedule and results, and
-# GLM-5's indexer, so that generation chooses the keys the trainer's forward chooses.
-INFER_FROM_TRAIN = {"rlhpc.train.evaluation", "rlhpc.train.sparse"}
 
+def test_reachability_follows_imports_through_other_folders():
+    assert reachable({"a": {"b"}, "b": {"c"}, "c": set()}) == {"a": {"b", "c"}, "b": {"c"}, "c": set()}
+    assert "a" in reachable({"a": {"b"}, "b": {"a"}})["a"]
 
-def test_inference_takes_from_the_trainers_folder_only_what_the_code_map_names():
-    g = graph()
-    taken = {d for m, deps in g.items() if m.startswith("rlhpc.infer") for d in deps if d.startswith("rlhpc.train")}
-    assert taken <= INFER_FROM_TRAIN, sorted(taken - INFER_FROM_TRAIN)
 
 # The entry points of the role processes and of the standalone commands.
 ENTRY_POINTS = ["rlhpc.role", "rlhpc.sft", "rlhpc.serve", "rlhpc.eval"]
-# All they take from the launcher side: who a Slurm task is (read from Slurm's environment, not from a launcher). The
-# config folder and the run-directory setup they share with `rlhpc.launch` live in rlhpc.config and rlhpc.preflight.
-FROM_LAUNCHERS = {"rlhpc.cluster.slurm_identity.identity_from_slurm"}
+# All they take from the launcher side: nothing (who a Slurm task is comes from rlhpc.run.slurm_identity, read from
+# Slurm's environment; the config and the run-directory setup they share with `rlhpc.launch` live in rlhpc.config and
+# rlhpc.preflight).
+FROM_LAUNCHERS: Set[str] = set()
 
 
 def launcher_names(source: str) -> Set[str]:
@@ -152,15 +244,6 @@ def test_entry_points_take_nothing_more_from_a_launcher(module):
 def test_a_planted_launcher_import_is_found():
     source = "import rlhpc.launch\ndef f():\n    from rlhpc.cluster.local import LocalLauncher\n"
     assert launcher_names(source) == {"rlhpc.launch", "rlhpc.cluster.local.LocalLauncher"}
-
-
-def test_the_ground_floor_imports_no_concern_folder():
-    ground = {"rlhpc.config", "rlhpc.rundir", "rlhpc.metrics", "rlhpc.models", "rlhpc.names", "rlhpc.dtypes",
-              "rlhpc.procs", "rlhpc.identity", "rlhpc.stop", "rlhpc.summary", "rlhpc.plots"}
-    folders = ("rlhpc.train", "rlhpc.infer", "rlhpc.transport", "rlhpc.algo", "rlhpc.env", "rlhpc.cluster")
-    g = graph()
-    wrong = {m: sorted(d for d in g[m] if d.startswith(folders)) for m in ground if m in g}
-    assert not {m: d for m, d in wrong.items() if d}, wrong
 
 
 def test_no_module_of_the_package_uses_unittest_mock():

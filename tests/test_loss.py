@@ -16,11 +16,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from rlhpc import config as config_mod
 from rlhpc.algo import loss
-from rlhpc.config import AlgoConfig, ConfigError, to_typed
-from rlhpc.config import CONF_DIR
 from rlhpc.algo.loss import LossInputs
+from rlhpc.config import schema as config_mod
+from rlhpc.config.schema import AlgoConfig, ConfigError, to_typed
+from rlhpc.config.schema import CONF_DIR
 
 F64 = torch.float64  # the comparisons below are exact to 1e-10
 
@@ -360,9 +360,10 @@ def test_the_launchers_torch_free_list_of_losses_is_the_registered_one():
 
 def test_validating_a_config_imports_no_torch():
     """The launcher checks a config (and refuses a bad key) before it starts anything: torch is not imported for it."""
-    code = ("import sys, rlhpc.algo, rlhpc.preflight\n"
-            "from rlhpc.config import Config, validate\n"
-            "cfg = Config(); validate(cfg); rlhpc.preflight.check_loss(cfg)\n"
+    code = ("import sys, rlhpc.algo\n"
+            "from rlhpc.config.schema import Config, validate\n"
+            "from rlhpc.preflight.checks import check_loss\n"
+            "cfg = Config(); validate(cfg); check_loss(cfg)\n"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -12,9 +12,9 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from rlhpc import models
 from rlhpc.cluster import memory
-from rlhpc.config import ModelConfig
+from rlhpc.config.schema import ModelConfig
+from rlhpc.modeling import models
 from test_names import ARCHS, MORE_ARCHS, SIZES
 
 ROOT = Path(__file__).resolve().parents[1]  # this checkout, also for the launcher run as a command
@@ -134,8 +134,8 @@ def test_the_activation_estimate_is_within_2x_of_what_autograd_saves(name):
 def composed(*overrides: str):
     from hydra import compose, initialize_config_dir
 
-    from rlhpc import config as config_mod
-    from rlhpc.config import CONF_DIR
+    from rlhpc.config import schema as config_mod
+    from rlhpc.config.schema import CONF_DIR
 
     config_mod.register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
@@ -303,9 +303,9 @@ def test_the_dsa_indexer_estimate_is_the_peak_of_transformers_indexer():
 
 
 def test_the_trainers_indexer_scores_a_block_of_queries_at_a_time_within_the_estimate():
-    # The trainer's indexer (rlhpc/train/sparse.py) with attention_block_elements = 512 x 32: blocks of 32 queries of
+    # The trainer's indexer (rlhpc/modeling/sparse.py) with attention_block_elements = 512 x 32: blocks of 32 queries of
     # a 512-token row, a sixteenth of transformers' peak.
-    from rlhpc.train import sparse
+    from rlhpc.modeling import sparse
 
     hf, model = built(preset("tiny_glm5"))
     tokens, block = 512, 512 * 32
@@ -326,7 +326,7 @@ def test_a_plan_whose_heads_do_not_divide_by_tp_is_refused_naming_the_key(tmp_pa
     assert "inference mesh: 2 worker(s) x [1 engine instance (tp=3)]" in proc.stdout
     assert "tensor parallelism 3 (inference.tensor_parallel_size) does not divide the model's 4 attention heads" \
         in proc.stderr
-    from rlhpc.config import ConfigError
+    from rlhpc.config.schema import ConfigError
     from rlhpc.launch import launch
 
     with pytest.raises(ConfigError, match="inference.tensor_parallel_size"):  # a real launch refuses before it starts

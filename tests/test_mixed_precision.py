@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rlhpc import config as config_mod
-from rlhpc import models
-from rlhpc.config import ModelConfig
-from rlhpc.identity import Identity
-from rlhpc.rundir import RunDir
+from rlhpc.config import schema as config_mod
+from rlhpc.config.schema import ModelConfig
+from rlhpc.modeling import models
+from rlhpc.run.identity import Identity
+from rlhpc.run.rundir import RunDir
 from test_sharded_load import on_ranks
 from test_trainer_math import _full, make_batch
 

@@ -11,9 +11,9 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from rlhpc import models
-from rlhpc.config import ModelConfig
-from rlhpc.rundir import RunDir
+from rlhpc.config.schema import ModelConfig
+from rlhpc.modeling import models
+from rlhpc.run.rundir import RunDir
 from test_trainer_math import _trainer, first_report, free_port, make_batch
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
@@ -31,7 +31,7 @@ def _step_and_export(root: Path, rank: int, world: int, port: int):
     """One training step (optimizer included), then the trained model's logits and the final export."""
     import torch.distributed as dist
 
-    from rlhpc.names import checkpoint_layout
+    from rlhpc.modeling.names import checkpoint_layout
 
     torch.manual_seed(0)
     tr = _trainer(root, rank, world, port, {"trainer": {"micro_batch_tokens": 64 if world > 1 else 100000}})
@@ -138,7 +138,7 @@ def test_fsdp_ranks_stream_every_tensor_of_the_checkpoint_under_its_name_and_sha
 def test_a_real_size_preset_takes_the_checkpoint_folder_and_fails_without_one(name, arch, monkeypatch):
     from hydra import compose, initialize_config_dir
 
-    from rlhpc.config import register, to_typed
+    from rlhpc.config.schema import register, to_typed
 
     register()
     monkeypatch.delenv("RLHPC_MODEL_PATH", raising=False)

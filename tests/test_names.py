@@ -5,12 +5,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhpc import config as config_mod
-from rlhpc import models
-from rlhpc.config import ModelConfig
+from rlhpc.config import schema as config_mod
+from rlhpc.config.schema import ModelConfig
 from rlhpc.infer.engines.hf import HFEngine
-from rlhpc.identity import Identity
-from rlhpc.rundir import RunDir
+from rlhpc.modeling import models
+from rlhpc.run.identity import Identity
+from rlhpc.run.rundir import RunDir
 
 SIZES = dict(hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
 ARCHS = {
@@ -24,7 +24,7 @@ ARCHS = {
     # block_sparse_moe.experts.{j}.w1/w2/w3 in the checkpoint.
     "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2),
 }
-# More of the two checkpoint families (rlhpc/names.py), for the names alone.
+# More of the two checkpoint families (rlhpc/modeling/names.py), for the names alone.
 MORE_ARCHS = {
     "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, first_k_dense_replace=1),
     "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, first_k_dense_replace=1,
@@ -75,7 +75,7 @@ def test_the_stream_is_exactly_what_save_pretrained_writes(arch, tmp_path):
 
 
 def test_the_layout_known_before_streaming_is_the_streams(model_dir, tmp_path):
-    from rlhpc.names import checkpoint_layout
+    from rlhpc.modeling.names import checkpoint_layout
 
     model = models.load_model(model_dir)
     streamed = [(n, tuple(t.shape), t.dtype) for n, t in trainer_of(model, tmp_path).full_state()]
@@ -83,7 +83,7 @@ def test_the_layout_known_before_streaming_is_the_streams(model_dir, tmp_path):
 
 
 def test_an_engine_updated_from_the_stream_computes_the_trainers_logits(model_dir, tmp_path):
-    from rlhpc.train import sparse
+    from rlhpc.modeling import sparse
 
     trainer_model = perturbed(models.load_model(model_dir)).eval()
     sparse.install(trainer_model)  # GLM-5: the choice among tied keys the trainer and the engine both make

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhpc import config as config_mod
-from rlhpc import models
-from rlhpc.config import ModelConfig
-from rlhpc.identity import Identity
-from rlhpc.rundir import RunDir
+from rlhpc.config import schema as config_mod
+from rlhpc.config.schema import ModelConfig
+from rlhpc.modeling import models
+from rlhpc.run.identity import Identity
+from rlhpc.run.rundir import RunDir
 from rlhpc.train.guard import TooManyBadSteps
 from rlhpc.train.optim import make_optimizer
 from rlhpc.transport.queue import Group, RolloutBatch

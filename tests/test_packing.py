@@ -1,7 +1,7 @@
 """Packing a group's samples behind their shared prompt (trainer.packing=shared_prefix): each sample gets the logprobs
 and gradients it gets alone, for the dense and MoE model families and GLM-5, and the rows hold far fewer tokens than the
 samples. GLM-5's sparse attention follows the packing mask once its indexer keeps the earlier of tied keys
-(rlhpc/train/sparse.py): with transformers' indexer, whose ties fall by position, the same comparison differs by
+(rlhpc/modeling/sparse.py): with transformers' indexer, whose ties fall by position, the same comparison differs by
 ~6e-2."""
 
 from pathlib import Path
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhpc import models
+from rlhpc.modeling import models
+from rlhpc.modeling import sparse
 from rlhpc.train import attention as segment_attention
-from rlhpc.train import sparse
 from rlhpc.train.batching import ATTENTION, common_prefix, pack, packed_logprobs, plan_rows, token_logprobs
 from rlhpc.train.step import packs
 from test_moe import preset
@@ -48,7 +48,7 @@ def test_glm5_packs_once_its_indexer_breaks_ties_by_order(tmp_path: Path, monkey
     glm5 = models.load_model(tmp_path / "glm5")
     assert not packs(glm5)  # transformers' indexer: ties fall by position, so a packed sample's keys could differ
     assert segment_attention.install(glm5, 1, block_elements=60)  # the rows' segments, in blocks...
-    assert packs(glm5)  # ...and the trainer's indexer (rlhpc/train/sparse.py)
+    assert packs(glm5)  # ...and the trainer's indexer (rlhpc/modeling/sparse.py)
     assert packs(models.load_model(tmp_path / "moe"))
 
 
@@ -88,7 +88,7 @@ def test_the_trainers_indexer_keeps_the_keys_transformers_keeps_except_among_tie
 # "rlhpc": the trainer's attention over packed rows from their segments (rlhpc/train/attention.py), here in blocks of
 # a few queries (a mask of at most 60 elements at a time) whose backward recomputes them.
 # GLM-5 (as the trainer runs it): the same, with its indexer's choice in each block's mask, the indexer scoring its
-# queries a few at a time (rlhpc/train/sparse.py).
+# queries a few at a time (rlhpc/modeling/sparse.py).
 @pytest.mark.parametrize("name,attention", [("tiny_qwen3", "sdpa"), ("tiny_qwen3", "eager"), ("tiny_qwen3_moe", "sdpa"),
                                             ("tiny_qwen3", ATTENTION), ("tiny_qwen3_moe", ATTENTION),
                                             ("tiny_glm5", ATTENTION)])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from rlhpc.rundir import Backoff
+from rlhpc.run.rundir import Backoff
 from rlhpc.transport.queue import SUFFIX, Queue, RolloutBatch
 from test_queue import make_batch
 

@@ -13,13 +13,13 @@ import pytest
 httpx = pytest.importorskip("httpx", reason="needs the serve extra: pip install -e '.[serve]'")
 import torch
 
-from rlhpc import models
-from rlhpc.config import ModelConfig
+from rlhpc.config.schema import ModelConfig
 from rlhpc.env.episode import Renderer
 from rlhpc.infer.batcher import SharedEngine
 from rlhpc.infer.engines import Completion, Engine
 from rlhpc.infer.engines.hf import HFEngine
 from rlhpc.infer.server import VERSION_HEADER, Server, context_length
+from rlhpc.modeling import models
 
 TOKEN = "test-token"
 MESSAGES = [{"role": "user", "content": "Reverse: hello"}]

@@ -11,11 +11,11 @@ import pytest
 httpx = pytest.importorskip("httpx", reason="needs the serve extra: pip install -e '.[serve]'")
 import torch
 
-from rlhpc import models
-from rlhpc.config import InferenceConfig, ModelConfig
+from rlhpc.config.schema import InferenceConfig, ModelConfig
 from rlhpc.env.episode import Renderer
 from rlhpc.infer.engines import make_engine
 from rlhpc.infer.server import VERSION_HEADER, Server, context_length
+from rlhpc.modeling import models
 
 pytest.importorskip("vllm", reason="vLLM is not installed (bash .ci/install-vllm.sh)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(300)]

@@ -10,12 +10,13 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from rlhpc import config as config_mod
 from rlhpc import env as env_mod
-from rlhpc import stop
-from rlhpc.metrics import Metrics, read_rows
-from rlhpc.rundir import RunDir
-from rlhpc.stop import Stop
+from rlhpc.config import schema as config_mod
+from rlhpc.infer.rollout import evaluator
+from rlhpc.run import stop
+from rlhpc.run.metrics import Metrics, read_rows
+from rlhpc.run.rundir import RunDir
+from rlhpc.run.stop import Stop
 from rlhpc.train.warmstart import warm_start
 
 SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1}
@@ -47,7 +48,7 @@ def start(tmp_path, name, stop_at=0, killed_at=0, save_interval=0):
     run = RunDir(tmp_path / name).make()
     metrics = StopAt(run, stop_at, killed_at)
     try:
-        return run, warm_start(cfg, run, env_mod.load(cfg.env), metrics, 0)
+        return run, warm_start(cfg, run, env_mod.load(cfg.env), metrics, 0, evaluator)
     finally:
         metrics.close()
         stop._stop_signal.clear()
@@ -76,7 +77,7 @@ def test_a_stopped_warm_start_goes_on_from_its_saved_step_to_the_same_model(tmp_
 
 
 def sft_losses(run, rows=None):
-    """The SFT losses the run's metrics show (rlhpc.metrics.read_rows), or those of `rows`."""
+    """The SFT losses the run's metrics show (rlhpc.run.metrics.read_rows), or those of `rows`."""
     return [r["sft/loss"] for r in (read_rows(run, "trainer") if rows is None else rows) if "sft/loss" in r]
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhpc import models
-from rlhpc.config import ModelConfig
-from rlhpc.procs import free_port
-from rlhpc.rundir import RunDir
+from rlhpc.config.schema import ModelConfig
+from rlhpc.modeling import models
+from rlhpc.run.procs import free_port
+from rlhpc.run.rundir import RunDir
 from test_trainer_math import _full, _trainer, make_batch
 
 MOE = ModelConfig(arch="qwen3_moe", hidden_size=64, intermediate_size=128, num_layers=2,
@@ -124,10 +124,10 @@ def test_sharded_loading_gives_the_weights_loss_and_gradients_of_a_full_load(roo
 def _train_sharded(rank, world, port, root, stop_at, save, resume):
     """Trains to `stop_at` on fixed batches with the trainer's own model setup; resuming, the parameters are poisoned
     first, so only the DCP checkpoint can make them right."""
+    from rlhpc.config import schema as config_mod
+    from rlhpc.run.identity import Identity
     from rlhpc.train import checkpoint
     from rlhpc.train.trainer import Trainer
-    from rlhpc import config as config_mod
-    from rlhpc.identity import Identity
 
     torch.manual_seed(0)
     root = Path(root)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhpc.cluster.slurm_identity import SlurmIdentityError, first_node, identity_from_slurm, master_port, role_and_rank
+from rlhpc.run.slurm_identity import SlurmIdentityError, first_node, identity_from_slurm, master_port, role_and_rank
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["+exp=reverse_text", "sft.steps=5", "eval.num_tasks=8", "eval.interval=0", "launcher.progress=true",
@@ -105,8 +105,8 @@ def test_dry_run_prints_the_plan_and_the_script_and_submits_nothing(tmp_path):
 def composed(*overrides: str):
     from hydra import compose, initialize_config_dir
 
-    from rlhpc import config as config_mod
-    from rlhpc.config import CONF_DIR
+    from rlhpc.config import schema as config_mod
+    from rlhpc.config.schema import CONF_DIR
 
     config_mod.register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
@@ -134,7 +134,7 @@ TWO_NODE_INSTANCE = ["inference=vllm", "inference.tensor_parallel_size=16", "inf
 ])
 def test_a_job_the_cluster_settings_cannot_run_is_refused_naming_the_key(overrides, key):
     from rlhpc.cluster.hetjob import make_plan
-    from rlhpc.config import ConfigError
+    from rlhpc.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match=re.escape(f"`{key}`")):
         make_plan(composed(*overrides))
@@ -162,7 +162,7 @@ def test_an_allocation_without_a_task_per_node_of_each_instance_is_refused_namin
                                                                                           capsys):
     # sbatch/rlhpc.sbatch runs the launch step inside its allocation: 3 workers over 2 nodes each need 6 tasks.
     from rlhpc.cluster.slurm_launcher import SlurmLauncher
-    from rlhpc.rundir import RunDir
+    from rlhpc.run.rundir import RunDir
 
     launcher = SlurmLauncher(composed(*TWO_NODE_INSTANCE, "inference.num_workers=3", "cluster.inference.nodes=6"))
     for key, value in {"SLURM_JOB_ID": "77", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "3"}.items():
@@ -216,7 +216,7 @@ def test_following_a_job_slurm_does_not_answer_for_says_so_and_ends(tmp_path, mo
     one will report."""
     from rlhpc.cluster import slurm_launcher
     from rlhpc.cluster.slurm_launcher import SlurmLauncher
-    from rlhpc.rundir import RunDir
+    from rlhpc.run.rundir import RunDir
 
     monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
     monkeypatch.setattr(slurm_launcher, "POLL_S", 0.1)
@@ -386,7 +386,7 @@ def test_a_failing_role_fails_the_job_promptly_with_its_error_and_log(cluster, t
         "import os, sys\n"
         f"sys.path.insert(0, {str(REPO / 'envs')!r})\n"
         "from reverse_text import ReverseText\n"
-        "from rlhpc.cluster.slurm_identity import role_and_rank\n\n"
+        "from rlhpc.run.slurm_identity import role_and_rank\n\n"
         "class CrashInInference(ReverseText):\n"
         "    def reward(self, task, completion):\n"
         "        if role_and_rank(os.environ)[0] == 'inference':\n"

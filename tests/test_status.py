@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhpc.rundir import RunDir, write_json
-from rlhpc.train.evaluation import write_result
+from rlhpc.run.evaluation import write_result
+from rlhpc.run.rundir import RunDir, write_json
 
 
 def status(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -84,7 +84,7 @@ def test_a_local_run_whose_launcher_and_roles_are_gone_is_stopped_not_running(tm
 def test_a_launch_into_a_run_dir_that_a_live_role_writes_is_refused_and_accepted_once_it_ends(tmp_path):
     """The same live-role test as the status's (RunDir.live_roles) guards a relaunch: a fresh heartbeat from this
     host whose pid runs rlhpc.role refuses it; once that process is gone the launch may go on."""
-    from rlhpc.preflight import RunDirError, check_not_running
+    from rlhpc.preflight.rundir import RunDirError, check_not_running
 
     run = a_run(tmp_path)
     for name in ("inference-0", "inference-1"):
@@ -192,8 +192,8 @@ def test_a_moved_run_says_its_job_script_names_the_old_folder(tmp_path):
     Slurm could not open its log there). Status says so, and how to write the script anew."""
     from hydra import compose, initialize_config_dir
 
-    from rlhpc import config as config_mod
     from rlhpc.cluster.hetjob import make_plan, render_script
+    from rlhpc.config import schema as config_mod
 
     run = a_run(tmp_path)
     config_mod.register()

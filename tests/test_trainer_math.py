@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhpc import config as config_mod
-from rlhpc import models
-from rlhpc.config import ModelConfig
+from rlhpc.config import schema as config_mod
+from rlhpc.config.schema import ModelConfig
+from rlhpc.modeling import models
+from rlhpc.run.identity import Identity
+from rlhpc.run.procs import free_port
+from rlhpc.run.rundir import RunDir
 from rlhpc.transport.queue import Group, RolloutBatch
-from rlhpc.identity import Identity
-from rlhpc.procs import free_port
-from rlhpc.rundir import RunDir
 
 CTX = mp.get_context("forkserver")  # preloaded with torch and the trainer (tests/conftest.py)
 

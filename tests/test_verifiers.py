@@ -18,13 +18,13 @@ import pytest
 
 verifiers = pytest.importorskip("verifiers", reason="pip install -e '.[verifiers]'")
 
-from rlhpc import models  # noqa: E402
-from rlhpc.config import EnvConfig, ModelConfig  # noqa: E402
+from rlhpc.config.schema import EnvConfig, ModelConfig  # noqa: E402
 from rlhpc.env.base import load  # noqa: E402
 from rlhpc.env.pool import EnvPool  # noqa: E402
 from rlhpc.infer.engines import Completion, Engine  # noqa: E402
 from rlhpc.infer.engines.hf import HFEngine  # noqa: E402
 from rlhpc.infer.rollout import episodes  # noqa: E402
+from rlhpc.modeling import models  # noqa: E402
 
 PKGS = Path(__file__).resolve().parent / "verifiers_pkgs"
 TOOL = "lookup_toolset_spell_backwards"  # the MCP tool's name as the policy sees it
@@ -268,9 +268,9 @@ def test_a_short_rl_run_on_a_verifiers_environment_completes(tmp_path, pkg, step
 def test_the_sft_warm_start_trains_on_a_verifiers_tasks_reference_answer(model_dir, tok):
     """`env.args.reference_field` names the task data field holding a correct answer: the warm start trains on exactly
     those tokens (the loss mask covers the answer and its stop token, nothing of the prompt), and its steps run."""
-    from rlhpc.config import Config
-    from rlhpc.train.warmstart import reference_tokens, sft_train
+    from rlhpc.config.schema import Config
     from rlhpc.env.episode import Renderer
+    from rlhpc.train.warmstart import reference_tokens, sft_train
 
     cfg = EnvConfig(name="verifiers", cls="rlhpc.env.verifiers_env:VerifiersEnvironment", pool_processes=0,
                     args={"id": "vf_reverse_text", "eval_size": 4, "num_tasks": 16, "reference_field": "answer"})

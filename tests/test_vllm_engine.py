@@ -15,10 +15,10 @@ from typing import List
 import pytest
 import torch
 
-from rlhpc import models
-from rlhpc.config import InferenceConfig, ModelConfig
+from rlhpc.config.schema import InferenceConfig, ModelConfig
 from rlhpc.infer.engines import make_engine
 from rlhpc.infer.engines.hf import HFEngine
+from rlhpc.modeling import models
 from rlhpc.transport.weights import Update
 
 pytest.importorskip("vllm", reason="vLLM is not installed (bash .ci/install-vllm.sh)")
@@ -203,7 +203,7 @@ def test_a_three_turn_tool_episode_is_token_exact_with_vllm(engine, model_dir):
     sampling logprobs, and the environment's tokens carry no loss."""
     import sys
 
-    from rlhpc.config import EnvConfig
+    from rlhpc.config.schema import EnvConfig
     from rlhpc.env import load
     from rlhpc.env.episode import run_episodes
     from rlhpc.env.pool import EnvPool

@@ -21,13 +21,13 @@ import pytest
 import torch
 
 import rlhpc.algo  # noqa: F401  (registers the config checks)
-from rlhpc import config as config_mod
-from rlhpc import models
-from rlhpc.cluster.slurm_identity import role_and_rank
-from rlhpc.config import Config, ModelConfig
-from rlhpc.identity import Identity
+from rlhpc.config import schema as config_mod
+from rlhpc.config.schema import Config, ModelConfig
 from rlhpc.infer import follower
-from rlhpc.rundir import RunDir, write_json
+from rlhpc.modeling import models
+from rlhpc.run.identity import Identity
+from rlhpc.run.rundir import RunDir, write_json
+from rlhpc.run.slurm_identity import role_and_rank
 
 
 def make_run(tmp_path: Path, **inference) -> tuple[Config, RunDir]:

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import rlhpc.algo  # noqa: F401  (registers the algorithms' config checks)
-from rlhpc import models
-from rlhpc.config import Config, ConfigError, DisaggregationConfig, InferenceConfig, ModelConfig, to_typed, validate
+from rlhpc.modeling import models
+from rlhpc.config.schema import (Config, ConfigError, DisaggregationConfig, InferenceConfig, ModelConfig, to_typed,
+                                 validate)
 from rlhpc.transport.weights import Update
 
 try:
@@ -189,8 +190,8 @@ def test_an_inflight_update_lands_in_both_instances_between_decode_steps(engines
 def composed(*overrides: str) -> Config:
     from hydra import compose, initialize_config_dir
 
-    from rlhpc.config import register
-    from rlhpc.config import CONF_DIR
+    from rlhpc.config.schema import CONF_DIR
+    from rlhpc.config.schema import register
 
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

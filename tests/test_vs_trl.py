@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from rlhpc import config as config_mod
-from rlhpc import models
-from rlhpc.config import CONF_DIR, to_typed
+from rlhpc.config import schema as config_mod
+from rlhpc.config.schema import CONF_DIR, to_typed
+from rlhpc.modeling import models
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,10 +6,10 @@ import traceback
 import pytest
 import torch
 
-from rlhpc import models
+from rlhpc.config.schema import ModelConfig
+from rlhpc.modeling import models
+from rlhpc.run.rundir import RunDir
 from rlhpc.train.batching import pad, token_logprobs
-from rlhpc.config import ModelConfig
-from rlhpc.rundir import RunDir
 from rlhpc.transport.weights import (BroadcastReceiver, BroadcastSender, FilesystemReceiver, FilesystemSender, latest_snapshot)
 
 CTX = mp.get_context("spawn")

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from rlhpc import models
-from rlhpc.config import ModelConfig
-from rlhpc.rundir import RunDir
+from rlhpc.config.schema import ModelConfig
+from rlhpc.modeling import models
+from rlhpc.run.rundir import RunDir
 from rlhpc.transport.weights import BroadcastReceiver, BroadcastSender
 from test_weights import CTX, _start
 

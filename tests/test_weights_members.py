@@ -12,7 +12,7 @@ import traceback
 import pytest
 import torch
 
-from rlhpc.rundir import RunDir
+from rlhpc.run.rundir import RunDir
 from rlhpc.transport.weights import CALL_WAIT_S, BroadcastReceiver, BroadcastSender
 from test_weights import CTX
 

@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from rlhpc import config as config_mod
 from rlhpc import env as env_mod
-from rlhpc.identity import Identity
+from rlhpc.config import schema as config_mod
 from rlhpc.infer import worker
-from rlhpc.rundir import RunDir
-from rlhpc.train.evaluation import write_result
+from rlhpc.run.evaluation import write_result
+from rlhpc.run.identity import Identity
+from rlhpc.run.rundir import RunDir
 from rlhpc.transport.queue import Queue
 from test_queue import make_batch
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from rlhpc.algo import checks
-from rlhpc.config import AlgoConfig
+from rlhpc.config.schema import AlgoConfig
 
 BASELINES = checks.BASELINES
 

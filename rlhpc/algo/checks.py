@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-from rlhpc.config import AlgoConfig
-from rlhpc.config import need as config_need
+from rlhpc.config.schema import AlgoConfig
+from rlhpc.config.schema import need as config_need
 
 # The losses rlhpc.algo.loss registers; any other `algo.name` is an import path, "package.module:function".
 LOSSES = ("aipo", "cispo", "dapo", "dr_grpo", "grpo", "gspo")

@@ -23,7 +23,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from rlhpc.algo import checks
-from rlhpc.config import AlgoConfig
+from rlhpc.config.schema import AlgoConfig
 
 
 @dataclass

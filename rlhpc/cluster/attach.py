@@ -29,11 +29,12 @@ from typing import Iterable, List, Optional
 
 from omegaconf import OmegaConf
 
-from rlhpc import config as config_mod
-from rlhpc import preflight
-from rlhpc.config import Config, ConfigError
-from rlhpc.procs import exit_code, on_stop_signals, tail
-from rlhpc.rundir import RunDir, read_json, write_json
+from rlhpc.config import schema as config_mod
+from rlhpc.config.errors import one_line
+from rlhpc.config.schema import Config, ConfigError
+from rlhpc.preflight.rundir import training_changes
+from rlhpc.run.procs import exit_code, on_stop_signals, tail
+from rlhpc.run.rundir import RunDir, read_json, write_json
 
 # The command-line keys an attach may set (by their first part); the run's config.yaml decides every other.
 ATTACH_KEYS = ("inference", "launcher", "cluster", "run_dir", "attach", "dry_run", "log_level")
@@ -97,7 +98,7 @@ def attachment(cmd: Config, overrides: Iterable[str]) -> Attachment:
         saved = OmegaConf.load(run.config)
         merged = OmegaConf.merge(OmegaConf.structured(Config), saved)
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"config key `run_dir`: {run.config} cannot be read ({preflight.one_line(e)})") from None
+        raise ConfigError(f"config key `run_dir`: {run.config} cannot be read ({one_line(e)})") from None
     first_rank = int(merged.inference.num_workers)
     given = OmegaConf.structured(cmd)
     for key in override_keys(overrides):
@@ -107,7 +108,7 @@ def attachment(cmd: Config, overrides: Iterable[str]) -> Attachment:
         OmegaConf.update(merged, key, OmegaConf.select(given, key), merge=False, force_add=True)
     merged.run_dir, merged.attach = str(run.root), "inference"
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    changes = [c for c in preflight.training_changes(saved, cfg) if c[0] != "attach"]
+    changes = [c for c in training_changes(saved, cfg) if c[0] != "attach"]
     if changes:
         key, old, new = changes[0]
         raise ConfigError(f"config key `{key}`: the run has {old!r}, the command line {new!r}: that changes training, "
@@ -252,7 +253,7 @@ class LocalAttach:
 
 class SlurmAttach:
     """The K workers as one Slurm job of one component, running the same task loop as the run's own workers (their
-    restarts included): rlhpc.cluster.slurm_identity reads their ranks from RLHPC_ATTACH_RANKS."""
+    restarts included): rlhpc.run.slurm_identity reads their ranks from RLHPC_ATTACH_RANKS."""
 
     def __init__(self, a: Attachment):
         from rlhpc.cluster.hetjob import make_plan
@@ -316,7 +317,7 @@ class SlurmAttach:
             executor = HetJobExecutor(a.folder / "slurm", script.read_text(), len(ranks))
             job_id = executor.submit_script().job_id
         except Exception as e:  # noqa: BLE001 - no Slurm here, or sbatch refused the job: its message says which
-            print(f"error: the attach job was not submitted: {preflight.one_line(e)}", file=sys.stderr)
+            print(f"error: the attach job was not submitted: {one_line(e)}", file=sys.stderr)
             return 1
         write_json(a.folder / "job.json", {"job_id": job_id, "name": self.job.name, "ranks": ranks,
                                            "submitted": time.time(), "script": str(script)})

@@ -1,6 +1,6 @@
 """One run as one heterogeneous Slurm job: the plan (who gets which resources), its checks, and its batch script.
 
-Component 0 runs the trainer ranks, component 1 the inference workers (the order rlhpc.cluster.slurm_identity relies
+Component 0 runs the trainer ranks, component 1 the inference workers (the order rlhpc.run.slurm_identity relies
 on). One `srun --het-group=0,1` starts every role through the same entry point as the local launcher,
 `python -m rlhpc.role`; each task finds its role and rank in Slurm's environment and logs to run_dir/logs/.
 An instance over several nodes (`inference.nodes_per_instance` = N > 1) is N tasks of component 1, one a node: the
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from rlhpc.cluster.slurm_identity import ROLES
-from rlhpc.config import Config, ConfigError, SlurmGroupConfig
+from rlhpc.config.schema import Config, ConfigError, SlurmGroupConfig
+from rlhpc.run.slurm_identity import ROLES
 
 @dataclass
 class GroupPlan:
@@ -241,7 +241,7 @@ def _component_lines(plan: JobPlan, g: GroupPlan) -> List[str]:
 # every process of the step (measured: srun's forwarded USR1 reaches this shell and the role once each), so the shell
 # only notes a signal (a stopped role is not restarted) and the role handles it itself.
 _TASK = (
-    'name=$("$RLHPC_PYTHON" -m rlhpc.cluster.slurm_identity) || exit 1; export LOCAL_RANK=$SLURM_LOCALID; '
+    'name=$("$RLHPC_PYTHON" -m rlhpc.run.slurm_identity) || exit 1; export LOCAL_RANK=$SLURM_LOCALID; '
     'max=0; [[ $name == inference-* || $name == follower-* ]] && max=$RLHPC_MAX_RESTARTS; n=0; stopped=""; '
     'trap "stopped=1" USR1 TERM INT; '
     'while true; do '
@@ -361,7 +361,7 @@ def render_script(plan: JobPlan, exp_name: str = "") -> str:
         f"export RLHPC_PYTHON={shlex.quote(plan.python)}",
         f"export RLHPC_REQUEUE={int(plan.requeue)}",
         f"export RLHPC_MAX_RESTARTS={plan.max_restarts}",
-        # inference.nodes_per_instance: rlhpc.cluster.slurm_identity reads it to tell a worker from its followers
+        # inference.nodes_per_instance: rlhpc.run.slurm_identity reads it to tell a worker from its followers
         f"export RLHPC_NODES_PER_INSTANCE={plan.nodes_per_instance}",
         "export PYTHONUNBUFFERED=1",
     ]
@@ -401,7 +401,7 @@ def gpu_binding(plan: JobPlan, cfg: Config) -> List[str]:
 
 def instance_nodes(cfg: Config) -> List[str]:
     """Which tasks (one a node) of the inference component make each instance, when an instance spans nodes: task t
-    is worker t // N's vLLM node rank t % N (N = inference.nodes_per_instance; rlhpc.cluster.slurm_identity)."""
+    is worker t // N's vLLM node rank t % N (N = inference.nodes_per_instance; rlhpc.run.slurm_identity)."""
     n, workers = cfg.inference.nodes_per_instance, cfg.inference.num_workers
     if n <= 1:
         return []

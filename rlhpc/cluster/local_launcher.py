@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import IO, Callable, List, Optional
 
-from rlhpc.config import Config
-from rlhpc.infer.engines.disagg import describe as disagg_describe
-from rlhpc.procs import LOG_START, exit_code, free_port, on_stop_signals, tail
-from rlhpc.rundir import RunDir, out_of_space_advice, read_json, space_problem, write_json
+from rlhpc.config.disaggregation import describe as disagg_describe
+from rlhpc.config.schema import Config
+from rlhpc.run.procs import LOG_START, exit_code, free_port, on_stop_signals, tail
+from rlhpc.run.rundir import RunDir, out_of_space_advice, read_json, space_problem, write_json
 
 
 @dataclass
@@ -140,7 +140,7 @@ class LocalLauncher:
         finally:
             if stop["signal"] is None or not any(p.role == "trainer" and p.popen.poll() is None for p in self.procs):
                 self.end_all()
-            else:  # the trainer ends its step and checkpoints (rlhpc/stop.py): a step and a save may take a while
+            else:  # the trainer ends its step and checkpoints (rlhpc/run/stop.py): a step and a save may take a while
                 grace = cfg.cluster.grace_s
                 print(f"waiting up to cluster.grace_s={grace}s for the trainer to checkpoint (Ctrl-C again to end it "
                       f"now)", file=sys.stderr, flush=True)
@@ -148,7 +148,7 @@ class LocalLauncher:
             for s, h in old.items():
                 signal.signal(s, h)
         if code == 0:
-            from rlhpc.summary import print_summary
+            from rlhpc.run.summary import print_summary
 
             print_summary(run, wall_time_s=time.time() - t0)
         return code

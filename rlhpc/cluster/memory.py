@@ -89,7 +89,7 @@ def model_shape(cfg) -> Tuple[Optional[Any], str]:
     if m.path and (Path(m.path) / "config.json").is_file():
         return AutoConfig.from_pretrained(m.path), f"{m.path}/config.json"
     if not m.path:
-        from rlhpc import models
+        from rlhpc.modeling import models
 
         tok = models.build_tokenizer(m.tokenizer_merges, m.tokenizer_added_tokens, m.tokenizer_corpus)
         return models._arch_config(m, len(tok), tok), f"the {m.name} model built in code"
@@ -385,7 +385,7 @@ def _disk(cfg, counts: ParamCount, out: MemoryPlan) -> None:
     the models it starts from and one checkpoint (what a resumed run has written already is not counted again); a dry
     run only says so (it may be made away from the cluster's filesystem). A note when the space is less than the most
     the run holds at once."""
-    from rlhpc.rundir import free_bytes
+    from rlhpc.run.rundir import free_bytes
 
     root = Path(cfg.run_dir)
     P = counts.total
@@ -531,7 +531,7 @@ def indexer_scores_bytes(hf, tokens: int, cp: int = 1, block_elements: int = 0) 
     sum over heads adds T x T x 4 B: (2 x index_heads + 1) x T x T x 4 B at the peak. Beside them its queries
     (index_heads x index_head_dim a query), keys (index_head_dim a key) and choice (index_topk a query), 4 B each.
     Transient, one layer at a time (again in each block's recompute with checkpointing); 0 for a model without the
-    indexer. The trainer's indexer (rlhpc/train/sparse.py) scores a rank's T / cp queries (context parallelism)
+    indexer. The trainer's indexer (rlhpc/modeling/sparse.py) scores a rank's T / cp queries (context parallelism)
     `block_elements` / T at a time (trainer.attention_block_elements): (2 x index_heads + 1) x min(T / cp x T,
     block_elements) x 4 B, and the rest as before for its T / cp queries and the row's T keys."""
     heads = _get(hf, "index_n_heads")

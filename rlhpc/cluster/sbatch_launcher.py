@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 from rlhpc.cluster.slurm_launcher import SlurmLauncher, SubmissionError
-from rlhpc.rundir import RunDir
+from rlhpc.run.rundir import RunDir
 
 
 class SbatchLauncher(SlurmLauncher):

@@ -3,7 +3,7 @@
 Component 0 holds the trainer ranks, component 1 the inference workers, each with its own nodes, tasks, CPUs, GPUs,
 memory and time (`cluster.trainer`, `cluster.inference`); rlhpc.cluster.hetjob makes the plan and the batch script.
 submitit has no heterogeneous jobs: `HetJobExecutor` hands it the finished script, and submitit does what it is good
-at (sbatch, the job id, the job object). Job states come from sacct (rlhpc.cluster.slurm_jobs), which understands
+at (sbatch, the job id, the job object). Job states come from sacct (rlhpc.run.slurm_jobs), which understands
 the `<id>+<component>` rows of a heterogeneous job.
 
 `python -m rlhpc.launch +exp=... launcher=slurm` returns once the job is submitted (its id is printed and written to
@@ -27,12 +27,12 @@ import submitit
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 
-from rlhpc.cluster import slurm_jobs
 from rlhpc.cluster.hetjob import JobPlan, describe, make_plan, python_problem, render_script
-from rlhpc.config import Config
-from rlhpc.infer.engines.disagg import describe as disagg_describe
-from rlhpc.procs import tail
-from rlhpc.rundir import RunDir, out_of_space_advice, read_json, space_problem
+from rlhpc.config.disaggregation import describe as disagg_describe
+from rlhpc.config.schema import Config
+from rlhpc.run import slurm_jobs
+from rlhpc.run.procs import tail
+from rlhpc.run.rundir import RunDir, out_of_space_advice, read_json, space_problem
 
 POLL_S = 2.0
 # launcher.wait: how long the launcher follows a job while no Slurm command answers before it stops following it.
@@ -222,7 +222,7 @@ class SlurmLauncher:
         states = ", ".join(f"{c.role} {c.job_id} {c.state} (exit {c.exit_code})" for c in st.components)
         if st.state == "COMPLETED" and run.summary.exists():
             print(f"job {job_id} COMPLETED: {states}", flush=True)
-            from rlhpc.summary import print_summary
+            from rlhpc.run.summary import print_summary
 
             print_summary(run, wall_time_s=wall_s)
             return 0

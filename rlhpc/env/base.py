@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Union
 
-from rlhpc.config import EnvConfig
+from rlhpc.config.schema import EnvConfig
 
 ENVS_DIR = Path(os.environ.get("RLHPC_ENVS_DIR", Path(__file__).resolve().parents[2] / "envs"))
 

@@ -22,7 +22,7 @@ import traceback
 from concurrent.futures import Future
 from typing import Any, List, Optional, Tuple
 
-from rlhpc.config import EnvConfig
+from rlhpc.config.schema import EnvConfig
 
 log = logging.getLogger(__name__)
 

@@ -352,7 +352,7 @@ EXIT_CODES = {
 
 
 def parser() -> argparse.ArgumentParser:
-    from rlhpc.commands import argparser  # the command line's help only: sandboxed programs never build it
+    from rlhpc.config.commandline import argparser  # the command line's help only: sandboxed programs never build it
 
     ap = argparser("rlhpc-sandbox", __doc__, EXIT_CODES)
     ap.add_argument("command", choices=["check"], help="does the code sandbox work on this node?")

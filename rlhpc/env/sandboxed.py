@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tempfile
 
-from rlhpc.config import EnvConfig
+from rlhpc.config.schema import EnvConfig
 from rlhpc.env.base import Environment
 from rlhpc.env.sandbox import Limits, Sandbox
 

@@ -29,11 +29,10 @@ import itertools
 import logging
 import os
 import random
-import secrets
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from rlhpc.env.base import Environment, Message, Task
 from rlhpc.env.episode import Episode
@@ -127,7 +126,7 @@ class VerifiersEnvironment(Environment):
 
     def warm(self) -> None:
         if self.episode_processes:  # a process that will play episodes (the worker's own pool plays none)
-            importlib.import_module("rlhpc.models")  # the tokenizer loader (transformers), for `play`
+            importlib.import_module("rlhpc.modeling.models")  # the tokenizer loader (transformers), for `play`
             self.verifiers_env()
 
     def _all_tasks(self) -> List[Any]:
@@ -169,10 +168,12 @@ class VerifiersEnvironment(Environment):
     # ---- episodes ---------------------------------------------------------------------------------------------------
 
     def run_episodes(self, engine, tokenizer, tasks: Sequence[Task], n: int, temperature: float, env_cfg,
-                     version: int = 0, greedy: bool = False) -> List[List[Episode]]:
+                     version: int = 0, greedy: bool = False,
+                     serve: Optional[Callable[[Any, str], Any]] = None) -> List[List[Episode]]:
         """`n` verifiers episodes of each task, against `engine`, as rlhpc episodes grouped by task (rollout.episodes
-        calls this instead of rlhpc.env.episode.run_episodes)."""
-        endpoint = self._endpoint(engine, tokenizer)
+        calls this instead of rlhpc.env.episode.run_episodes). `serve(engine, model_dir)` starts a private server over
+        an engine that is no endpoint yet (rlhpc.infer.server.private_server: environments never import the server)."""
+        endpoint = self._endpoint(engine, tokenizer, serve)
         if self.episode_processes:
             return self._run_in_processes(endpoint, tokenizer, tasks, n, temperature, env_cfg, version, greedy)
         return self.play(endpoint, tasks, n, temperature, env_cfg, version, greedy, tokenizer)
@@ -241,7 +242,7 @@ class VerifiersEnvironment(Environment):
 
     def _tokenizer(self, model_dir: str) -> Any:
         if model_dir not in self._tokenizers:
-            from rlhpc.models import load_tokenizer
+            from rlhpc.modeling.models import load_tokenizer
 
             self._tokenizers[model_dir] = load_tokenizer(model_dir)
         return self._tokenizers[model_dir]
@@ -285,21 +286,19 @@ class VerifiersEnvironment(Environment):
         return Episode(task, prompt, len(prompt), self.messages(task), done=True, reward=error_reward, error=error,
                        min_version=version, max_version=version)
 
-    def _endpoint(self, engine, tokenizer) -> tuple:
+    def _endpoint(self, engine, tokenizer, serve: Optional[Callable[[Any, str], Any]]) -> tuple:
         """(URL, token, model id, model folder) of a token endpoint over `engine`."""
-        from rlhpc.infer.engines.remote import RemoteEngine
-
         model_dir = str(Path(tokenizer.name_or_path))
-        if isinstance(engine, RemoteEngine):  # already served (rlhpc.eval against an endpoint)
-            return engine.url, engine.token, engine.model, model_dir
+        served = getattr(engine, "endpoint", None)
+        if served is not None:  # already an endpoint (a RemoteEngine: rlhpc.eval against a served run)
+            return (*served, model_dir)
         server = self._server
         if server is None or engine not in (server.engine, server.engine.inner):
-            from rlhpc.infer.server import Server, context_length, vocab_size
-            from rlhpc.models import load_tokenizer
-
+            if serve is None:
+                raise ValueError("a verifiers environment runs against an endpoint: pass `serve` "
+                                 "(rlhpc.infer.server.private_server) with an engine that is not one")
             self._close_server()  # one private server, over the engine in use (the trainer's warm start's is let go)
-            server = self._server = Server(engine, load_tokenizer(model_dir), model_dir, context_length(model_dir),
-                                           secrets.token_hex(16), vocab_size=vocab_size(model_dir)).start()
+            server = self._server = serve(engine, model_dir)
             if self.in_process_endpoint and not self.episode_processes:
                 _in_process_transport()
                 _IN_PROCESS[server.url] = server.app
@@ -315,7 +314,7 @@ class VerifiersEnvironment(Environment):
             from renderers import RendererConfig
 
             return TypeAdapter(RendererConfig).validate_python(dict(self.renderer))
-        from rlhpc.models import CHAT_TEMPLATE
+        from rlhpc.modeling.models import CHAT_TEMPLATE
 
         if getattr(tokenizer, "chat_template", None) == CHAT_TEMPLATE:
             extra = {"tool_parser": "qwen3"} if "<tool_call>" in tokenizer.get_vocab() else {}
@@ -345,28 +344,12 @@ def _in_process_transport() -> None:
     episodes' event loop. Over loopback, every model call paid an HTTP round trip to the server's thread, and
     httpcore's connection pool, which verifiers' TrainClient keeps one of for all episodes in flight (up to 256
     connections), scans its connections on every request and every release: measured, 15 ms of CPU per single-turn
-    episode over loopback, 11.0 ms in-process (benchmarks/verifiers_overhead.py).
+    episode over loopback, 11.0 ms in-process (benchmarks/verifiers_overhead.py). The patch of verifiers that does it
+    is rlhpc.patches.libraries.in_process_httpx (its versions in rlhpc/patches/registry.py)."""
+    from rlhpc.patches.libraries import in_process_httpx
 
-    verifiers (pinned, 0.4.0) builds every client's httpx client in `verifiers.v1.clients.base.build_async_httpx`;
-    that function is wrapped once. Other URLs, and other clients, get verifiers' own."""
-    from verifiers.v1.clients import base
-
-    original = base.build_async_httpx
-    if getattr(original, "rlhpc_in_process", False):
-        return
-
-    def build_async_httpx(config: Any) -> Any:
-        import httpx
-
-        url = str(config.base_url or "")
-        app = next((a for u, a in list(_IN_PROCESS.items()) if url == u or url.startswith(u + "/")), None)
-        if app is None:
-            return original(config)
-        return httpx.AsyncClient(timeout=httpx.Timeout(**config.timeout.model_dump()),
-                                 transport=httpx.ASGITransport(app=app))
-
-    build_async_httpx.rlhpc_in_process = True  # type: ignore[attr-defined]
-    base.build_async_httpx = build_async_httpx
+    in_process_httpx(lambda url: next((a for u, a in list(_IN_PROCESS.items()) if url == u or url.startswith(u + "/")),
+                                      None))
 
 
 _LOOP: Optional[asyncio.AbstractEventLoop] = None

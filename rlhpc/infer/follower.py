@@ -15,7 +15,7 @@ and waits for the next leader. It ends when the run is DONE or FAILED, when it i
 come for `inference.startup_timeout_s` after the trainer's warm start (the worker waits for that before it leads).
 
 Followers are role `follower`, rank f = w x (N - 1) + (node rank - 1): under Slurm task t of the inference component
-is worker t // N's node rank t % N (rlhpc/cluster/slurm_identity.py); the local launcher starts them beside the
+is worker t // N's node rank t % N (rlhpc/run/slurm_identity.py); the local launcher starts them beside the
 workers. Weight updates need nothing more: with tensor_parallel_size > 1 the leader writes each update as a file under
 the run directory and every model worker of the instance, followers' included, reloads its shard from there
 (rlhpc/infer/engines/vllm.py).
@@ -34,11 +34,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from rlhpc.config import Config, InferenceConfig
-from rlhpc.identity import Identity
-from rlhpc.procs import free_port, node_address
-from rlhpc.rundir import RunDir, read_json, write_json
-from rlhpc.stop import stop_requested
+from rlhpc.config.schema import Config, InferenceConfig
+from rlhpc.run.identity import Identity
+from rlhpc.run.procs import free_port, node_address
+from rlhpc.run.rundir import RunDir, read_json, write_json
+from rlhpc.run.stop import stop_requested
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +174,8 @@ def run_follower(cfg: Config, ident: Identity, run: RunDir) -> None:
 def _serve(cfg: Config, run: RunDir, rank: int, record: Dict[str, Any], node_rank: int, path: Path) -> None:
     """Runs vLLM's headless model workers of node `node_rank` for the leader of `record` until that leader is gone."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from rlhpc.infer.engines import vllm_patches as patches
     from rlhpc.infer.engines.vllm import engine_args, vllm_files
+    from rlhpc.patches import vllm as patches
 
     patches.check()
     from vllm.engine.arg_utils import EngineArgs

@@ -7,17 +7,19 @@ the environment's replies, token-exact trajectories) are rlhpc.env.episode's.
 from __future__ import annotations
 
 import uuid
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from rlhpc.algo.advantage import group_advantages, keep_group
-from rlhpc.config import AlgoConfig, EnvConfig
+from rlhpc.config.schema import AlgoConfig, EnvConfig
 from rlhpc.env import Environment, Task
 from rlhpc.env.base import max_turns
 from rlhpc.env.episode import Episode, Renderer, check_failures, failures, run_episodes
 from rlhpc.env.pool import EnvPool
 from rlhpc.infer.engines import Engine
+from rlhpc.infer.engines.hf import HFEngine
+from rlhpc.infer.server import private_server
 from rlhpc.transport.queue import Group, RolloutBatch
 
 
@@ -29,7 +31,8 @@ def prompt_ids(tokenizer, env: Environment, task: Task) -> List[int]:
 def episodes(engine: Engine, env: Environment, pool: EnvPool, tokenizer, tasks: Sequence[Task], n: int,
              temperature: float, env_cfg: EnvConfig, version: int = 0, greedy: bool = False) -> List[List[Episode]]:
     if hasattr(env, "run_episodes"):  # an environment that runs its own episodes (rlhpc.env.verifiers_env)
-        return env.run_episodes(engine, tokenizer, tasks, n, temperature, env_cfg, version=version, greedy=greedy)
+        return env.run_episodes(engine, tokenizer, tasks, n, temperature, env_cfg, version=version, greedy=greedy,
+                                serve=private_server)
     return run_episodes(engine, env, pool, tokenizer, tasks, n, temperature, env_cfg.max_new_tokens,
                         max_turns(env, env_cfg), env_cfg.max_episode_tokens, version, greedy=greedy,
                         error_reward=env_cfg.error_reward, timeout_s=env_cfg.call_timeout_s * 4 + 60,
@@ -103,3 +106,11 @@ def evaluate(engine: Engine, env: Environment, tokenizer, tasks: Sequence[Task],
     eps = episodes(engine, env, pool, tokenizer, tasks, 1, 1.0, env_cfg, greedy=True)
     rewards = [g[0].reward for g in eps]
     return sum(rewards) / len(rewards)
+
+
+def evaluator(model: torch.nn.Module, tokenizer) -> Callable[[Environment, Sequence[Task], EnvConfig], float]:
+    """A transformers engine over `model`, made once, and `evaluate` through it: the warm start's evaluator
+    (rlhpc/train/warmstart.py), which the trainer's role passes in, so that the trainer's folder never imports
+    inference."""
+    engine = HFEngine(model, tokenizer.pad_token_id)
+    return lambda env, tasks, env_cfg: evaluate(engine, env, tokenizer, tasks, env_cfg)

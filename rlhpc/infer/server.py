@@ -48,8 +48,8 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 from rlhpc.infer.batcher import Batcher, Sampling, SharedEngine, ShuttingDown
 from rlhpc.infer.engines import Completion, Engine
-from rlhpc.rundir import RunDir, read_json, wait_for, write_json
-from rlhpc.procs import node_address as this_node_address
+from rlhpc.run.procs import node_address as this_node_address
+from rlhpc.run.rundir import RunDir, read_json, wait_for, write_json
 
 log = logging.getLogger(__name__)
 
@@ -768,7 +768,7 @@ def _deltas(tok, tokens: Sequence[int], text: str) -> List[str]:
 def bind(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (port 0: any free one), or a ConfigError naming the key to change: a port in use
     (inference.serve_port), a host that is no address of this node (inference.serve_host)."""
-    from rlhpc.config import ConfigError
+    from rlhpc.config.schema import ConfigError
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -791,6 +791,16 @@ def context_length(model_dir: str | Path, max_model_len: int = 0) -> int:
 def vocab_size(model_dir: str | Path) -> Optional[int]:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     return cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
+
+
+def private_server(engine: Engine, model_dir: str) -> Server:
+    """A started server over `engine` alone, with a fresh token, for a harness that calls the model over HTTP: the
+    verifiers environments (rlhpc/env/verifiers_env.py), which receive this function from rlhpc/infer/rollout.py and so
+    never import the server."""
+    from rlhpc.modeling.models import load_tokenizer
+
+    return Server(engine, load_tokenizer(model_dir), model_dir, context_length(model_dir), secrets.token_hex(16),
+                  vocab_size=vocab_size(model_dir)).start()
 
 
 def shared_token(path: Path) -> str:
@@ -873,7 +883,7 @@ def node_address(host: str = "") -> Tuple[str, str]:
 
 def start_server(cfg, engine: Engine, model_dir: str | Path, token: Optional[str], rank: int = 0) -> Server:
     """A server over `engine` as the config says (inference.serve_host, serve_port + rank, the model's name)."""
-    from rlhpc import models
+    from rlhpc.modeling import models
 
     inf = cfg.inference
     bind, published = node_address(inf.serve_host)
@@ -887,7 +897,7 @@ def start_server(cfg, engine: Engine, model_dir: str | Path, token: Optional[str
 
 def serve_worker(cfg, ident, run: RunDir, engine: Engine) -> Server:
     """The server of an inference worker (inference.serve=true): its engine, the run's token, the published address."""
-    from rlhpc.stop import Stop, stop_requested
+    from rlhpc.run.stop import Stop, stop_requested
 
     def abort() -> Optional[str]:
         if stop_requested():

@@ -3,7 +3,7 @@
 Loop: take the newest weights received; if the queue already holds enough fresh groups, or these weights are too old
 for the step that would consume what we generate now, wait (never spin); otherwise generate a batch of groups, score
 them, compute advantages and publish one queue file. Worker 0 also measures the held-out reward of the weights it
-serves when an evaluation is owed (rlhpc/train/evaluation.py), between two generations.
+serves when an evaluation is owed (rlhpc/run/evaluation.py), between two generations.
 """
 
 from __future__ import annotations
@@ -16,20 +16,20 @@ from typing import Optional
 
 import torch
 
-from rlhpc import cores
 from rlhpc import env as env_mod
-from rlhpc import models
-from rlhpc.config import Config
+from rlhpc.config.schema import Config
+from rlhpc.env.pool import EnvPool
 from rlhpc.infer.engines import make_engine
 from rlhpc.infer.follower import leading
-from rlhpc.metrics import Metrics
-from rlhpc.transport.queue import Queue
-from rlhpc.identity import Identity
-from rlhpc.stop import Stop, stop_requested
-from rlhpc.env.pool import EnvPool
 from rlhpc.infer.rollout import evaluate, generate_groups
-from rlhpc.rundir import Backoff, RunDir, wait_for
-from rlhpc.train.evaluation import eval_owed, heldout_tasks, read_curve, write_result
+from rlhpc.modeling import models
+from rlhpc.run import cores
+from rlhpc.run.evaluation import eval_owed, heldout_tasks, read_curve, write_result
+from rlhpc.run.identity import Identity
+from rlhpc.run.metrics import Metrics
+from rlhpc.run.rundir import Backoff, RunDir, wait_for
+from rlhpc.run.stop import Stop, stop_requested
+from rlhpc.transport.queue import Queue
 from rlhpc.transport.weights import (BroadcastReceiver, FilesystemReceiver, WeightsReceiver, latest_snapshot,
                                     load_snapshot)
 
@@ -130,11 +130,10 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
             with gate:
                 version = _catch_up(run, engine, version, progress["version"])
         pending_groups = queued * cfg.inference.groups_per_batch + progress.get("claiming", 0)
-        # The step that will consume what is generated now, and the oldest version that step accepts.
-        target = progress["claimed"] + pending_groups // per_step
         if (progress["claimed"], version) != seen:  # the run moved: the idle clock starts again
             seen, t_last = (progress["claimed"], version), time.time()
-        if pending_groups >= cfg.queue.max_pending_steps * per_step or version < target - cfg.async_level:
+        if back_pressure(pending_groups, progress["claimed"], version, per_step, cfg.queue.max_pending_steps,
+                         cfg.async_level) is not None:
             if borrower is not None:
                 borrower.release()
             idle.set(True)  # back-pressure: the trainer may use this worker's threads meanwhile
@@ -187,9 +186,24 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
     receiver.close()
 
 
+def back_pressure(pending_groups: int, claimed: int, version: int, per_step: int, max_pending_steps: int,
+                  async_level: int) -> Optional[str]:
+    """Why a worker waits instead of generating now, or None when it generates. `pending_groups`: the groups ahead of
+    what it would generate (other workers' batches in flight, published files, the claim being filled); `claimed`:
+    the steps the trainer has claimed; `version`: the worker's weights. Enough is queued once it covers
+    `max_pending_steps` steps (queue.max_pending_steps); and what it generates now feeds step claimed + pending //
+    per_step, which trains only on groups of weights at least that step - async_level."""
+    if pending_groups >= max_pending_steps * per_step:
+        return f"{pending_groups} groups queued: queue.max_pending_steps={max_pending_steps} steps of them"
+    target = claimed + pending_groups // per_step
+    if version < target - async_level:
+        return f"weights version {version} is too old for step {target} (async_level={async_level})"
+    return None
+
+
 def _lending(cfg: Config, run: RunDir, rank: int, engine):
     """This worker's idle mark, and the borrower of the trainer's threads while it waits for rollouts (the
-    transformers engine on the CPU only: vLLM runs its own threads), on one machine (rlhpc/cores.py)."""
+    transformers engine on the CPU only: vLLM runs its own threads), on one machine (rlhpc/run/cores.py)."""
     lend = cores.enabled(cfg)
     idle = cores.Idle(run, "inference", rank, cfg.inference.threads, enabled=lend)
     model = getattr(engine, "model", None)
@@ -209,7 +223,7 @@ def _check_idle(cfg: Config, rank: int, t_last: float, version: int, why: str) -
 
 class HeldoutEval:
     """Worker 0's held-out evaluation: greedy reward on the held-out tasks with this worker's engine, for each weights
-    version owed one (the schedule and the record: rlhpc/train/evaluation.py), written to run_dir/evals/."""
+    version owed one (the schedule and the record: rlhpc/run/evaluation.py), written to run_dir/evals/."""
 
     def __init__(self, cfg: Config, run: RunDir, env, pool: EnvPool, tokenizer):
         self.cfg, self.run, self.env, self.pool, self.tokenizer = cfg, run, env, pool, tokenizer
@@ -238,7 +252,7 @@ class HeldoutEval:
         eval_s = time.time() - t0
         if not self.evaluated and metrics.relaunched:
             # TensorBoard hides what an earlier life showed past the last result on record: results of versions that
-            # a run resumed from an older checkpoint trains again (rlhpc/train/evaluation.py discards their files;
+            # a run resumed from an older checkpoint trains again (rlhpc/run/evaluation.py discards their files;
             # the trainer does so before it publishes weights, so before this version reached the worker).
             metrics.purge_after("eval", done[-1] if done else -1)
         self.evaluated = True

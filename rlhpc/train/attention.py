@@ -17,7 +17,7 @@ row with heads / cp heads, and exchanges the output back. Any other mask (genera
 goes to transformers' sdpa attention unchanged.
 
 GLM-5's sparse attention (DSA) takes the segments too: its indexer chooses each query's keys from the whole row
-(rlhpc/train/sparse.py) and hands the choice, [B, S, index_topk] of this rank's queries, to the attention as
+(rlhpc/modeling/sparse.py) and hands the choice, [B, S, index_topk] of this rank's queries, to the attention as
 `indices`; each block's mask is the segments' mask and the choice together, as transformers' sdpa path builds it
 whole. A split row's attention first gathers the choice of all W queries from the group. Any other mask gets the
 choice applied as transformers' sdpa path does.
@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from rlhpc.train import sparse
+from rlhpc.modeling import sparse
 from rlhpc.train.batching import ATTENTION, NO_CUSTOM_MASK, segment_mask
 from rlhpc.train.context import ContextGroup, HeadsToSeq, SeqToHeads, context_group, gather_positions
 
@@ -51,7 +51,8 @@ _INSTALLED: Optional[Installed] = None  # one trainer model per process
 
 def install(model: torch.nn.Module, cp: int, block_elements: int) -> bool:
     """Makes `model` take packed rows by their segments (and, with cp > 1, split over a context group: collective
-    the first time). GLM-5's indexer breaks its ties by order and scores its queries in blocks (rlhpc/train/sparse.py).
+    the first time). GLM-5's indexer breaks its ties by order and scores its queries in blocks
+    (rlhpc/modeling/sparse.py).
     Returns False, leaving its attention as it is, when that is not sdpa (eager attention takes the whole mask) at
     cp=1; raises naming trainer.cp when cp > 1 and the model cannot (its heads do not divide by cp, DeepSeek-V3.2's
     sparse attention, attention other than sdpa)."""

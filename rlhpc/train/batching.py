@@ -7,9 +7,12 @@ from typing import List, Sequence
 
 import torch
 
+from rlhpc.modeling.segments import PADDING, PREFIX, segment_mask
+from rlhpc.patches.registry import check as check_patch
+
 # Models whose attention does not follow a packed row's mask as a sample alone would: DeepSeek-V3.2's sparse attention
 # picks its keys with an indexer whose ties fall by position (GLM-5's, the same kind, packs with the trainer's
-# order-stable indexer: rlhpc/train/sparse.py). Their samples are padded one per row whatever trainer.packing says.
+# order-stable indexer: rlhpc/modeling/sparse.py). Their samples are padded one per row whatever trainer.packing says.
 NO_CUSTOM_MASK = ("deepseek_v32",)
 
 ATTENTION = "rlhpc"  # the attention implementation of a model that takes packed rows by their segments (attention.py)
@@ -111,19 +114,6 @@ class Packed:
         """bool [R, 1, W, W], True: attend."""
         W = self.segments.shape[1]
         return segment_mask(self.segments, 0, W, W)
-
-
-PREFIX, PADDING = -1, -2
-
-
-def segment_mask(segments: torch.Tensor, lo: int, hi: int, keys: int) -> torch.Tensor:
-    """Which of the first `keys` positions the queries at positions [lo, hi) attend to, from the rows' segments
-    [R, W]: bool [R, 1, hi - lo, keys]. A query attends causally to its own segment and to the prefix (a padding
-    position to earlier padding and the prefix, and always to itself, so no query is left without keys)."""
-    q = torch.arange(lo, hi, device=segments.device)
-    causal = q.unsqueeze(1) >= torch.arange(keys, device=segments.device).unsqueeze(0)
-    sq, sk = segments[:, lo:hi].unsqueeze(2), segments[:, :keys].unsqueeze(1)
-    return (causal & ((sq == sk) | (sk == PREFIX))).unsqueeze(1)
 
 
 def pack(rows: Sequence[Row], sequences: Sequence[torch.Tensor], wanted: Sequence[torch.Tensor],
@@ -289,6 +279,7 @@ class ChunkedLogprobHead(torch.nn.Linear):
     @staticmethod
     def install(head: torch.nn.Linear) -> None:
         if type(head) is torch.nn.Linear:
+            check_patch("chunked_logprob_head")  # rlhpc/patches/registry.py
             head.__class__ = ChunkedLogprobHead
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from rlhpc.rundir import no_space, read_json, space_problem, write_json
+from rlhpc.run.rundir import no_space, read_json, space_problem, write_json
 
 log = logging.getLogger(__name__)
 

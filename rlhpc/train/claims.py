@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional
 
-from rlhpc.config import Config
-from rlhpc.rundir import RunDir
-from rlhpc.stop import Stop, stop_requested
+from rlhpc.config.schema import Config
+from rlhpc.run.rundir import RunDir
+from rlhpc.run.stop import Stop, stop_requested
 from rlhpc.transport.queue import Claim, Queue
 
 

@@ -47,6 +47,10 @@ class ContextGroup:
     def first(self) -> bool:
         return self.rank == 0
 
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """`gather_positions` of `x` over this group."""
+        return gather_positions(x, self)
+
 
 _GROUPS: Dict[Tuple[int, int], ContextGroup] = {}
 
@@ -94,7 +98,7 @@ def _heads_to_seq_bwd(g: torch.Tensor, group: ContextGroup) -> torch.Tensor:
 
 def gather_positions(x: torch.Tensor, group: ContextGroup) -> torch.Tensor:
     """x [B, S, ...] of this rank's positions -> [B, cp x S, ...] of the whole row, from every rank of the group (no
-    gradient: GLM-5's indexer keys and its choice of keys, rlhpc/train/sparse.py)."""
+    gradient: GLM-5's indexer keys and its choice of keys, rlhpc/modeling/sparse.py)."""
     x = x.contiguous()
     got = x.new_empty(group.cp * x.shape[0], *x.shape[1:])  # the ranks' parts one after the other (gloo's layout)
     dist.all_gather_into_tensor(got, x, group=group.group)

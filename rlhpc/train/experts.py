@@ -5,7 +5,7 @@ Layout over a world of N = ep x dp ranks (rank r = e * dp + d):
 - storage: the fused expert parameters (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) are DTensors sharded on dim 0
   over the whole world, like FSDP2 shards every other parameter, so rank r stores experts [r E/N, (r+1) E/N). The
   layout does not depend on `ep`: a DCP checkpoint written at one `ep` resumes at any other, and the weights stream and
-  exports (full_tensor, per-expert Hugging Face names: rlhpc/names.py) are those of the plain FSDP2 model;
+  exports (full_tensor, per-expert Hugging Face names: rlhpc/modeling/names.py) are those of the plain FSDP2 model;
 - compute: the `dp` ranks e * dp .. e * dp + dp - 1 all-gather their stored chunks into the E/ep experts of expert
   group e (nothing to gather when ep = N); the `ep` ranks d, dp + d, ... exchange token rows with all-to-all.
   The all-to-all group strides over the world, the gather group is contiguous;
@@ -172,7 +172,7 @@ def experts_modules(model: nn.Module) -> Dict[str, nn.Module]:
 def shard_experts(model: nn.Module, ep: int, mesh, compute_dtype: torch.dtype) -> List[nn.Parameter]:
     """Replaces every experts module of `model` by an ExpertParallel one; returns their parameters (which FSDP2 must
     leave alone). Collective."""
-    from rlhpc.config import ConfigError
+    from rlhpc.config.schema import ConfigError
 
     found = experts_modules(model)
     if not found:
@@ -258,7 +258,7 @@ class RouterBalance:
     the router logits [tokens, E]."""
 
     def __init__(self, model: nn.Module, coef: float):
-        from rlhpc.config import ConfigError
+        from rlhpc.config.schema import ConfigError
 
         self.model, self.coef = model, coef
         self.top_k = int(getattr(model.config, "num_experts_per_tok", 0) or 0)

@@ -2,7 +2,7 @@
 
 `save_pretrained` needs a whole model in memory; with FSDP2 no rank has one. The stream (`Trainer.full_state`) already
 yields what `save_pretrained` would write, under checkpoint names, each tensor all-gathered and cast to the serving
-dtype when its turn comes. Its layout (names, shapes, dtypes: rlhpc/names.py `checkpoint_layout`) is known from
+dtype when its turn comes. Its layout (names, shapes, dtypes: rlhpc/modeling/names.py `checkpoint_layout`) is known from
 metadata before the first tensor arrives, so the safetensors header is written first and each tensor goes to its
 offset as it comes; files are split at `max_file_bytes` with the usual `model.safetensors.index.json`.
 
@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
-from rlhpc.dtypes import SAFETENSORS_NAMES, safetensors_header
+from rlhpc.modeling.dtypes import SAFETENSORS_NAMES, safetensors_header
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:

@@ -11,8 +11,8 @@
 
 Resuming skips step 5: the DCP checkpoint fills the same shards (rlhpc/train/checkpoint.py), also without a full copy.
 
-Checkpoint names map to in-memory tensors through rlhpc/names.py, so MoE checkpoints, which hold one tensor per expert,
-fill the fused in-memory experts: a rank owning experts [a, b) of a layer reads those experts' tensors only.
+Checkpoint names map to in-memory tensors through rlhpc/modeling/names.py, so MoE checkpoints, which hold one tensor per
+expert, fill the fused in-memory experts: a rank owning experts [a, b) of a layer reads those experts' tensors only.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from rlhpc.config import TrainerConfig
-from rlhpc.names import CheckpointNames, state_tensors
+from rlhpc.config.schema import TrainerConfig
+from rlhpc.modeling.names import CheckpointNames, state_tensors
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,9 @@ import contextlib
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from rlhpc.config import TrainerConfig
-from rlhpc.dtypes import dtype_of
+from rlhpc.config.schema import TrainerConfig
+from rlhpc.modeling.dtypes import dtype_of
+from rlhpc.modeling.models import decoder_blocks
 
 
 def master_dtype(cfg: TrainerConfig) -> torch.dtype:
@@ -59,16 +60,6 @@ def autocast(cfg: TrainerConfig, device: torch.device, model: torch.nn.Module):
     if isinstance(model, FSDPModule) or compute == master_dtype(cfg):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=compute)
-
-
-def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The repeated blocks of a Hugging Face causal LM (model.model.layers for Qwen3, Qwen3-MoE, GLM-5, MiniMax-M2,
-    DeepSeek...)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: no `model.layers` to shard per block")
-    return layers
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

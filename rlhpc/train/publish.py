@@ -12,11 +12,11 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from rlhpc.config import Config
-from rlhpc.dtypes import dtype_of
-from rlhpc.identity import Identity
-from rlhpc.names import CheckpointNames, checkpoint_layout, state_tensors
-from rlhpc.rundir import RunDir
+from rlhpc.config.schema import Config
+from rlhpc.modeling.dtypes import dtype_of
+from rlhpc.modeling.names import CheckpointNames, checkpoint_layout, state_tensors
+from rlhpc.run.identity import Identity
+from rlhpc.run.rundir import RunDir
 from rlhpc.train.export import write_hf_folder, write_safetensors_stream
 from rlhpc.transport.weights import BroadcastSender, FilesystemSender, WeightsSender, write_snapshot
 
@@ -28,7 +28,7 @@ def serving_dtype(cfg: Config) -> torch.dtype:
 
 def full_state(model: torch.nn.Module, serving: torch.dtype) -> Iterator[Tuple[str, torch.Tensor]]:
     """(checkpoint name, full tensor): what save_pretrained would write, under its Hugging Face checkpoint names
-    (fused MoE experts split into per-expert views, rlhpc/names.py), one state tensor at a time, floating-point
+    (fused MoE experts split into per-expert views, rlhpc/modeling/names.py), one state tensor at a time, floating-point
     tensors cast from the master copy to the serving dtype. With FSDP2 each parameter is cast as a shard, then
     all-gathered on demand: every rank must iterate the stream."""
     names = CheckpointNames.of(model)

@@ -13,14 +13,16 @@ import torch.distributed as dist
 
 from rlhpc.algo import loss as loss_mod
 from rlhpc.algo.loss import LossInputs
-from rlhpc.config import Config
+from rlhpc.config.schema import Config
+from rlhpc.modeling import sparse
 from rlhpc.train import attention, context
-from rlhpc.train import sparse
 from rlhpc.train.batching import (ATTENTION, NO_CUSTOM_MASK, Packed, balance_ranks, pack, packed_logprobs, pad,
                                   plan_micro_batches, plan_rows, token_logprobs)
+from rlhpc.modeling.models import decoder_blocks
+from rlhpc.patches.libraries import suppress_compile_errors
 from rlhpc.train.experts import RouterBalance
 from rlhpc.train.guard import BadSteps, nonfinite_advantages, nonfinite_groups, nonfinite_update
-from rlhpc.train.parallel import autocast, decoder_blocks
+from rlhpc.train.parallel import autocast
 from rlhpc.transport.queue import RolloutBatch
 
 
@@ -28,7 +30,7 @@ from rlhpc.transport.queue import RolloutBatch
 
 def packs(model: torch.nn.Module) -> bool:
     """Whether `model` can take packed rows: attention that applies a 4-D mask (sdpa, eager) and no sparse selection,
-    or GLM-5's once its indexer chooses among tied keys by order (rlhpc/train/sparse.py)."""
+    or GLM-5's once its indexer chooses among tied keys by order (rlhpc/modeling/sparse.py)."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     return (model_type not in NO_CUSTOM_MASK
@@ -39,12 +41,10 @@ def packs(model: torch.nn.Module) -> bool:
 def compile_blocks(model: torch.nn.Module) -> None:
     """torch.compile each decoder block in place, once (parameter names and the state dict are unchanged); what dynamo
     cannot compile runs eagerly instead of failing the step."""
-    import torch._dynamo
-
     blocks = decoder_blocks(model)
     if getattr(blocks, "rlhpc_compiled", False):
         return
-    torch._dynamo.config.suppress_errors = True
+    suppress_compile_errors()
     for block in blocks:
         block.compile(dynamic=True)
     blocks.rlhpc_compiled = True
@@ -67,27 +67,17 @@ class Step:
 
     def __call__(self, step: int, batch: RolloutBatch, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler, reference: Optional[torch.nn.Module], pad_id: int) -> Dict[str, float]:
+        """One optimizer step: this rank's shard of the batch, the forward and backward passes of its micro-batches,
+        the statistics reduced over ranks, then the update applied or skipped (non-finite loss or gradient norm)."""
         t0 = time.time()
         cfg = self.cfg
         if self.cp > 1 and self.context is None:
             self.context = context.context_group(self.cp)
-        share = 1.0 if self.context is None or self.context.first else 0.0  # a context group counts its stats once
         if cfg.trainer.packing == "shared_prefix":  # packed rows attend from their segments (rlhpc/train/attention.py)
             for m in (model, reference):
                 if m is not None:
                     attention.install(m, self.cp, cfg.trainer.attention_block_elements)
-        mine = balance_ranks(batch.lengths, batch.group_of, self.dp)[self.dp_rank]
-        lengths = batch.lengths[mine]
-        # Loss weights: the whole step sums to a mean over tokens (or sequences) of all ranks.
-        loss_tokens_per_sample = torch.stack(
-            [batch.loss_mask[batch.offsets[i] + 1 : batch.offsets[i + 1]].sum() for i in mine.tolist()]
-        ) if mine.numel() else torch.zeros(0, dtype=torch.long)
-        tokens = torch.tensor([float(loss_tokens_per_sample.sum())])
-        if self.world > 1:
-            dist.all_reduce(tokens)  # loss tokens of the whole step (the sample count is global already)
-            tokens /= self.cp  # the ranks of a context group hold the same samples
-        total_tokens, total_samples = max(float(tokens[0]), 1.0), float(batch.num_samples)
-
+        mine, total_tokens = self.shard(batch)
         model.train()
         if cfg.trainer.compile:
             compile_blocks(model)
@@ -97,11 +87,49 @@ class Step:
             self.bad_steps.skipped(step, bad, nonfinite_groups(batch))
             return {"loss/total": float("nan"), "grad_norm": float("nan"), "train/skipped": 1.0,
                     "train/bad_steps": float(self.bad_steps.total), "perf/train_s": time.time() - t0}
+        sums, n_loss_tokens = self.forward_backward(batch, mine, model, reference, pad_id, total_tokens)
+        sums, n_loss_tokens = self.reduce(sums, n_loss_tokens)
+        grad_norm, bad = self.apply_or_skip(step, batch, model, optimizer, scheduler, sums)
+        totals = ("loss/total", "loss/router_aux")  # the step's sums; the other statistics are means per loss token
+        stats = {k_: v if k_ in totals else v / max(n_loss_tokens, 1) for k_, v in sums.items()}
+        stats.setdefault("loss/total", 0.0)
+        dt = time.time() - t0
+        stats.update({
+            "grad_norm": grad_norm,
+            "train/skipped": float(bad is not None),
+            "train/bad_steps": float(self.bad_steps.total),
+            "perf/train_s": dt,
+            "perf/tokens_per_s": float(batch.tokens.numel()) / dt,
+            "perf/loss_tokens": total_tokens,
+        })
+        return stats
+
+    def shard(self, batch: RolloutBatch) -> Tuple[torch.Tensor, float]:
+        """This rank's samples (balanced over the dp groups) and the loss tokens of the whole step, over all ranks."""
+        mine = balance_ranks(batch.lengths, batch.group_of, self.dp)[self.dp_rank]
+        # Loss weights: the whole step sums to a mean over tokens (or sequences) of all ranks.
+        loss_tokens_per_sample = torch.stack(
+            [batch.loss_mask[batch.offsets[i] + 1 : batch.offsets[i + 1]].sum() for i in mine.tolist()]
+        ) if mine.numel() else torch.zeros(0, dtype=torch.long)
+        tokens = torch.tensor([float(loss_tokens_per_sample.sum())])
+        if self.world > 1:
+            dist.all_reduce(tokens)  # loss tokens of the whole step (the sample count is global already)
+            tokens /= self.cp  # the ranks of a context group hold the same samples
+        return mine, max(float(tokens[0]), 1.0)
+
+    def forward_backward(self, batch: RolloutBatch, mine: torch.Tensor, model: torch.nn.Module,
+                         reference: Optional[torch.nn.Module], pad_id: int,
+                         total_tokens: float) -> Tuple[Dict[str, float], int]:
+        """The forward and backward passes of this rank's micro-batches, gradients accumulated; this rank's sums of
+        the step's statistics and its count of loss tokens."""
+        cfg = self.cfg
+        share = 1.0 if self.context is None or self.context.first else 0.0  # a context group counts its stats once
+        total_samples = float(batch.num_samples)
         sums: Dict[str, float] = {}
         n_loss_tokens = 0
         split = batch.offsets.diff().tolist()
         sequences, loss_masks = batch.tokens.split(split), batch.loss_mask.split(split)
-        plan = self.plan(mine, lengths, sequences, batch.group_of, packs(model))
+        plan = self.plan(mine, batch.lengths[mine], sequences, batch.group_of, packs(model))
         if self.world > 1:  # every rank runs as many forward/backward passes (FSDP's collectives must pair up)
             n = torch.tensor([len(plan)])
             dist.all_reduce(n, op=dist.ReduceOp.MAX)
@@ -144,36 +172,33 @@ class Step:
             sums["entropy"] = sums.get("entropy", 0.0) + float(entropy.sum()) * share
             for name, v in out.metrics.items():
                 sums[f"loss/{name}"] = sums.get(f"loss/{name}", 0.0) + float(v) * k
-        if self.world > 1:  # the step's statistics over all ranks
-            keys = sorted(sums)
-            packed = torch.tensor([sums[k] for k in keys] + [float(n_loss_tokens)], dtype=torch.float64)
-            dist.all_reduce(packed)
-            sums = dict(zip(keys, packed[:-1].tolist()))
-            n_loss_tokens = int(packed[-1])
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.optim.max_grad_norm)
+        return sums, n_loss_tokens
+
+    def reduce(self, sums: Dict[str, float], n_loss_tokens: int) -> Tuple[Dict[str, float], int]:
+        """The step's statistics and loss-token count over all ranks."""
+        if self.world == 1:
+            return sums, n_loss_tokens
+        keys = sorted(sums)
+        packed = torch.tensor([sums[k] for k in keys] + [float(n_loss_tokens)], dtype=torch.float64)
+        dist.all_reduce(packed)
+        return dict(zip(keys, packed[:-1].tolist())), int(packed[-1])
+
+    def apply_or_skip(self, step: int, batch: RolloutBatch, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      scheduler, sums: Dict[str, float]) -> Tuple[float, Optional[str]]:
+        """Clips the gradients and steps the optimizer, or drops them when the loss or the norm is not finite (the
+        weights stay those of version `step`); the gradient norm, and why the step was skipped (None: applied). Loss
+        and norm are reduced over ranks, so every rank takes the same decision."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.trainer.optim.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        # Loss and norm are reduced over ranks, so every rank takes the same decision.
         bad = nonfinite_update(sums.get("loss/total", 0.0), float(grad_norm))
         if bad is None:
             optimizer.step()
             scheduler.step()
             self.bad_steps.applied()
-        else:  # drop the gradients; the weights stay those of version `step`
+        else:
             optimizer.zero_grad(set_to_none=True)
             self.bad_steps.skipped(step, bad, nonfinite_groups(batch))
-        totals = ("loss/total", "loss/router_aux")  # the step's sums; the other statistics are means per loss token
-        stats = {k_: v if k_ in totals else v / max(n_loss_tokens, 1) for k_, v in sums.items()}
-        stats.setdefault("loss/total", 0.0)
-        dt = time.time() - t0
-        stats.update({
-            "grad_norm": float(grad_norm),
-            "train/skipped": float(bad is not None),
-            "train/bad_steps": float(self.bad_steps.total),
-            "perf/train_s": dt,
-            "perf/tokens_per_s": float(batch.tokens.numel()) / dt,
-            "perf/loss_tokens": float(total_tokens),
-        })
-        return stats
+        return float(grad_norm), bad
 
     def plan(self, mine: torch.Tensor, lengths: torch.Tensor, sequences, group_of: torch.Tensor, packing: bool) -> list:
         """This rank's micro-batches: lists of packed rows (`trainer.packing=shared_prefix`), or index tensors into

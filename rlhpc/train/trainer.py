@@ -3,7 +3,7 @@
 For step k: rank 0 claims enough fresh groups from the queue (version >= k - async_level), every rank trains on its
 token-balanced share, the optimizer steps, and the new weights (version k+1) stream to the inference workers. Rank 0
 also runs the supervised warm start and writes summary.json. Held-out evaluation during RL runs on inference worker 0
-(rlhpc/train/evaluation.py): no step waits for it; at the end rank 0 waits for the final version's result.
+(rlhpc/run/evaluation.py): no step waits for it; at the end rank 0 waits for the final version's result.
 
 Each concern has its module: the warm start (warmstart), claims and the ledger (claims), the step (step), weights out
 and the export (publish), the held-out curve (evaluation), checkpoints (checkpoint). The trainer holds their state and
@@ -20,18 +20,18 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from rlhpc import cores
 from rlhpc import env as env_mod
-from rlhpc import models
-from rlhpc.config import Config
-from rlhpc.identity import Identity
-from rlhpc.metrics import Metrics, busy_by_process
-from rlhpc.preflight import one_line
-from rlhpc.rundir import RunDir, read_json, wait_for, write_json
-from rlhpc.stop import Stop, stop_requested
+from rlhpc.config.errors import one_line
+from rlhpc.config.schema import Config
+from rlhpc.modeling import models
+from rlhpc.run import cores
+from rlhpc.run.evaluation import Curve, discard_after, read_curve, result_path
+from rlhpc.run.identity import Identity
+from rlhpc.run.metrics import Metrics, busy_by_process
+from rlhpc.run.rundir import RunDir, read_json, wait_for, write_json
+from rlhpc.run.stop import Stop, stop_requested
 from rlhpc.train import checkpoint, publish
 from rlhpc.train.claims import Claims
-from rlhpc.train.evaluation import Curve, discard_after, read_curve, result_path
 from rlhpc.train.experts import RouterStats
 from rlhpc.train.guard import BadSteps
 from rlhpc.train.loading import build_sharded
@@ -39,14 +39,15 @@ from rlhpc.train.optim import make_optimizer
 from rlhpc.train.parallel import enable_activation_checkpointing
 from rlhpc.train.publish import Publisher
 from rlhpc.train.step import Step
-from rlhpc.train.warmstart import load_state, start_model
+from rlhpc.train.warmstart import Evaluator, load_state, start_model
 from rlhpc.transport.queue import Claim, RolloutBatch
 
 log = logging.getLogger(__name__)
 
 
-def run_trainer(cfg: Config, ident: Identity, run: RunDir) -> str:
-    trainer = Trainer(cfg, ident, run)
+def run_trainer(cfg: Config, ident: Identity, run: RunDir, evaluator: Optional[Evaluator] = None) -> str:
+    """The trainer role; `evaluator` measures the warm start (rlhpc.infer.rollout.evaluator, from rlhpc/role.py)."""
+    trainer = Trainer(cfg, ident, run, evaluator)
     try:
         return trainer.train()
     finally:
@@ -54,8 +55,9 @@ def run_trainer(cfg: Config, ident: Identity, run: RunDir) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ident: Identity, run: RunDir):
+    def __init__(self, cfg: Config, ident: Identity, run: RunDir, evaluator: Optional[Evaluator] = None):
         self.cfg, self.ident, self.run = cfg, ident, run
+        self.evaluator = evaluator  # of the warm start (sft.steps > 0)
         self.rank, self.world = ident.rank, ident.size
         self.is_main = self.rank == 0
         torch.set_num_threads(cfg.trainer.threads)
@@ -72,7 +74,7 @@ class Trainer:
         # Steps skipped for non-finite values (rlhpc/train/guard.py); too many in a row stop the run.
         self.bad_steps = BadSteps(cfg.trainer.max_bad_steps, report=self.is_main)
         self.stepper = Step(cfg, self.rank, self.world, self.device, self.bad_steps)
-        # One machine (launcher=local): threads lent to and borrowed from the inference workers (rlhpc/cores.py).
+        # One machine (launcher=local): threads lent to and borrowed from the inference workers (rlhpc/run/cores.py).
         lend = cores.enabled(cfg) and self.device.type == "cpu"
         self.idle = cores.Idle(run, "trainer", self.rank, cfg.trainer.threads, enabled=lend)
         self.borrower = cores.Borrower(run, "inference", cfg.trainer.threads, borrowers=self.world) if lend else None
@@ -97,7 +99,7 @@ class Trainer:
         """Runs to the last step ("done") or, when asked to stop, checkpoints and returns "requeue"."""
         t_start = time.time()
         try:
-            self.summary = start_model(self.cfg, self.run, self.env, self.metrics, self.rank)
+            self.summary = start_model(self.cfg, self.run, self.env, self.metrics, self.rank, self.evaluator)
         except Stop:
             # The warm start saved its state after its last step (run_dir/sft_state), if it had taken one.
             log.warning("stop requested (%s) during the warm start; the requeued run goes on with it", stop_requested())

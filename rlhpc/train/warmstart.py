@@ -20,32 +20,37 @@ import shutil
 import time
 from itertools import islice
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from rlhpc import models
-from rlhpc.train.batching import pad, token_logprobs
-from rlhpc.config import Config
-from rlhpc.env import Environment
+from rlhpc.config.schema import Config, EnvConfig
+from rlhpc.env import Environment, Task
 from rlhpc.env.episode import Renderer
-from rlhpc.infer.engines.hf import HFEngine
-from rlhpc.infer.rollout import evaluate
-from rlhpc.metrics import Metrics
-from rlhpc.rundir import RunDir, read_json, wait_for, write_json
-from rlhpc.stop import Stop, stop_requested
-from rlhpc.train.evaluation import heldout_tasks, write_result
+from rlhpc.modeling import models
+from rlhpc.run.evaluation import heldout_tasks, write_result
+from rlhpc.run.metrics import Metrics
+from rlhpc.run.rundir import RunDir, read_json, wait_for, write_json
+from rlhpc.run.stop import Stop, stop_requested
+from rlhpc.train.batching import pad, token_logprobs
 from rlhpc.train.optim import make_optimizer
 
 log = logging.getLogger(__name__)
 
 
-def start_model(cfg: Config, run: RunDir, env: Environment, metrics: Optional[Metrics], rank: int) -> Dict:
+# How the warm start measures a model: `evaluator(model, tokenizer)` makes an engine over the model once and returns
+# `reward(env, tasks, env_cfg)`, the greedy reward on tasks through it. The trainer's role passes
+# rlhpc.infer.rollout.evaluator (rlhpc/role.py): the trainer's folder never imports inference.
+Evaluator = Callable[[torch.nn.Module, Any], Callable[[Environment, Sequence[Task], EnvConfig], float]]
+
+
+def start_model(cfg: Config, run: RunDir, env: Environment, metrics: Optional[Metrics], rank: int,
+                evaluator: Optional[Evaluator] = None) -> Dict:
     """Rank 0 makes run_dir/model (the HF folder RL starts from); other ranks wait for it. Returns the warm start's
     results (the run's summary so far); raises Stop when asked to stop meanwhile."""
     ready = run.model / "READY"
     if rank == 0 and not ready.exists():
-        write_json(ready, warm_start(cfg, run, env, metrics, rank))
+        write_json(ready, warm_start(cfg, run, env, metrics, rank, evaluator))
 
     def abort() -> Optional[str]:
         if stop_requested():
@@ -57,26 +62,31 @@ def start_model(cfg: Config, run: RunDir, env: Environment, metrics: Optional[Me
     return read_json(ready)
 
 
-def warm_start(cfg: Config, run: RunDir, env: Environment, metrics: Metrics, rank: int) -> Dict:
+def warm_start(cfg: Config, run: RunDir, env: Environment, metrics: Metrics, rank: int,
+               evaluator: Optional[Evaluator] = None) -> Dict:
     """SFT from the base model (built from `model` when `model.path` is empty) into run_dir/model, or on from the state
     a stopped warm start saved (run_dir/sft_state); the held-out reward before and after, and the SFT steps and time.
-    Raises Stop, after saving that state, when asked to stop."""
+    Raises Stop, after saving that state, when asked to stop. `evaluator` measures the held-out reward (needed when
+    sft.steps > 0)."""
     base = cfg.model.path or str(models.build(cfg.model, run.root / "base_model"))
     if cfg.sft.steps == 0:
         # Nothing to train: RL starts from the base checkpoint's files as they are, and no full model is loaded
         # here; inference worker 0 measures the starting held-out reward (version 0) with its engine.
         models.copy_checkpoint(base, run.model)
         return {"sft_steps": 0, "sft_wall_time_s": 0.0}
+    if evaluator is None:
+        raise ValueError("a warm start with sft.steps > 0 measures the held-out reward: pass its evaluator "
+                         "(rlhpc.infer.rollout.evaluator)")
     saved = load_state(run.sft_state)
     model = models.load_model(str(run.sft_state / "model") if saved else base, cfg.model.dtype)
     tok = models.load_tokenizer(base)
-    engine = HFEngine(model, tok.pad_token_id)
+    reward = evaluator(model, tok)
     tasks = heldout_tasks(env, cfg)
     if saved:
         out: Dict = {"heldout_reward_base": saved["heldout_reward_base"]}
         log.info("warm start: going on from SFT step %d (%s)", saved["step"], run.sft_state)
     else:
-        out = {"heldout_reward_base": evaluate(engine, env, tok, tasks, cfg.env)}
+        out = {"heldout_reward_base": reward(env, tasks, cfg.env)}
     t0 = time.time() - (saved["wall_time_s"] if saved else 0.0)
     metrics.resumed("sft", saved["step"] if saved else 0)  # what an earlier attempt logged past it is trained again
 
@@ -100,9 +110,10 @@ def warm_start(cfg: Config, run: RunDir, env: Environment, metrics: Metrics, ran
                         "goes on from there", stop_requested(), steps, run.sft_state)
 
     resume = (saved["step"], torch.load(run.sft_state / "optimizer.pt"), saved["losses"]) if saved else None
-    losses = sft_train(model, tok, env, cfg, on_step=on_step, on_check=on_check, on_save=on_save, resume=resume)
+    losses = sft_train(model, tok, env, cfg, on_step=on_step, on_check=on_check, on_save=on_save, resume=resume,
+                       evaluator=evaluator)
     out["sft_steps"] = len(losses)
-    out["heldout_reward_sft"] = evaluate(engine, env, tok, tasks, cfg.env)
+    out["heldout_reward_sft"] = reward(env, tasks, cfg.env)
     out["sft_wall_time_s"] = time.time() - t0
     log.info("warm start: held-out reward %.3f -> %.3f after %d SFT steps (%.1fs)", out["heldout_reward_base"],
              out["heldout_reward_sft"], out["sft_steps"], out["sft_wall_time_s"])
@@ -113,7 +124,7 @@ def warm_start(cfg: Config, run: RunDir, env: Environment, metrics: Metrics, ran
     # RL builds its own (possibly sharded) model: this whole copy and its evaluation engine go now, not at exit, with
     # what the environment held for these evaluations (a verifiers endpoint over this engine, its episode processes).
     env.close()
-    del engine, model
+    del reward, model
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -153,10 +164,11 @@ def load_state(folder: Path) -> Optional[Dict[str, Any]]:
     return state
 
 
-def validation_reward(model: torch.nn.Module, tokenizer, env: Environment, cfg: Config) -> float:
+def validation_reward(model: torch.nn.Module, tokenizer, env: Environment, cfg: Config,
+                      evaluator: Evaluator) -> float:
     """Greedy reward on fixed train-distribution tasks (a validation set; the held-out eval set is never used here)."""
     tasks = list(islice(env.tasks("train", seed=cfg.seed + 104729), cfg.sft.validation_tasks))
-    return evaluate(HFEngine(model, tokenizer.pad_token_id), env, tokenizer, tasks, cfg.env)
+    return evaluator(model, tokenizer)(env, tasks, cfg.env)
 
 
 def reference_tokens(renderer: Renderer, tokenizer, env: Environment, task) -> Tuple[List[int], List[int]]:
@@ -198,14 +210,19 @@ def sft_train(
     on_check: Optional[Callable[[int, float], None]] = None,
     on_save: Optional[Callable[[int, torch.optim.Optimizer, List[float]], None]] = None,
     resume: Optional[Tuple[int, Dict[str, Any], List[float]]] = None,
+    evaluator: Optional[Evaluator] = None,
 ) -> List[float]:
     """Trains on (prompt, reference answer) pairs for `cfg.sft.steps` steps, or until the validation reward reaches
     `cfg.sft.stop_at_reward` (a warm start to partial competence); returns the loss of each step.
 
     With `on_save`, `on_save(steps done, optimizer, losses)` saves them every `cfg.sft.save_interval` steps, and after
     the step a stop request comes in, before Stop is raised. `resume`: (steps done, the optimizer's state, their
-    losses) of such a save, to go on from, with the model as it was saved."""
+    losses) of such a save, to go on from, with the model as it was saved. `evaluator` measures the validation reward
+    (needed with sft.stop_at_reward)."""
     sft = cfg.sft
+    if sft.stop_at_reward > 0 and evaluator is None:
+        raise ValueError("sft.stop_at_reward checks a validation reward: pass sft_train its evaluator "
+                         "(rlhpc.infer.rollout.evaluator)")
     opt = make_optimizer(model.parameters(), sft.optim)
     tasks = env.tasks("train", seed=cfg.seed + 7919)
     renderer = Renderer(tokenizer, [t.schema() for t in env.tools()])
@@ -236,7 +253,7 @@ def sft_train(
         if on_step is not None:
             on_step(step, loss.item())
         if sft.stop_at_reward > 0 and (step + 1) % sft.check_interval == 0:
-            reward = validation_reward(model, tokenizer, env, cfg)
+            reward = validation_reward(model, tokenizer, env, cfg, evaluator)
             model.train()
             if on_check is not None:
                 on_check(step + 1, reward)

@@ -38,8 +38,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
-from rlhpc.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES, safetensors_header
-from rlhpc.rundir import atomic_write, fsync_path, read_json, write_json
+from rlhpc.modeling.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES, safetensors_header
+from rlhpc.run.rundir import atomic_write, fsync_path, read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -608,7 +608,7 @@ class Queue:
                    max_version: Optional[int] = None) -> Claim:
         """For trainer ranks other than 0: waits for rank 0's manifest of `step` and loads the same files, skipping
         the ones that fail the same validation (rank 0 quarantines them), so every rank trains on the same groups."""
-        from rlhpc.rundir import wait_for
+        from rlhpc.run.rundir import wait_for
 
         manifest = self.step_dir(step) / "manifest.json"
         revision = 0

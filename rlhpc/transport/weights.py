@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from rlhpc.dtypes import dtype_of
-from rlhpc.procs import node_address
-from rlhpc.rundir import RunDir, fsync_path, read_json, wait_for, write_json
+from rlhpc.modeling.dtypes import dtype_of
+from rlhpc.run.procs import node_address
+from rlhpc.run.rundir import RunDir, fsync_path, read_json, wait_for, write_json
 
 log = logging.getLogger(__name__)
 

@@ -42,16 +42,14 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from rlhpc.config import DisaggregationConfig, InferenceConfig
+from rlhpc.config.disaggregation import DECODE, FILE_CONNECTORS, PREFILL
+from rlhpc.config.schema import DisaggregationConfig, InferenceConfig
 from rlhpc.infer.engines import Completion, Engine
 from rlhpc.infer.engines.vllm import VLLMEngine, _gpu_pin_devices, vllm_files
-from rlhpc.procs import free_port
+from rlhpc.run.procs import free_port
 
 log = logging.getLogger(__name__)
 
-PREFILL, DECODE = "kv_producer", "kv_consumer"
-# Connectors that move KV through files in a folder (kv_connector_extra_config.shared_storage_path).
-_FILE_CONNECTORS = ("ExampleConnector",)
 # Connectors whose prefill side must keep stepping while the decode side pulls (it frees the sent blocks on the
 # decode side's notification).
 _PULL_CONNECTORS = ("NixlConnector",)
@@ -61,7 +59,7 @@ def instance_config(cfg: InferenceConfig, role: str, kv_dir: Path, on_gpu: bool)
     """The config of one instance: the worker's, with its tensor parallel size and its KV transfer config."""
     pd = cfg.disaggregation
     extra = dict(pd.connector_extra_config)
-    if pd.connector in _FILE_CONNECTORS:
+    if pd.connector in FILE_CONNECTORS:
         extra.setdefault("shared_storage_path", str(kv_dir))
     kv: Dict[str, Any] = dict(kv_connector=pd.connector, kv_role=role, kv_connector_extra_config=extra)
     if pd.connector in _PULL_CONNECTORS:
@@ -69,24 +67,6 @@ def instance_config(cfg: InferenceConfig, role: str, kv_dir: Path, on_gpu: bool)
     tp = (pd.prefill_tensor_parallel_size or cfg.tensor_parallel_size) if role == PREFILL else cfg.tensor_parallel_size
     return dataclasses.replace(cfg, tensor_parallel_size=tp, engines_per_node=1, kv_transfer_config=kv,
                                disaggregation=DisaggregationConfig())
-
-
-def describe(cfg: InferenceConfig) -> List[str]:
-    """The P/D layout of one inference worker, for the launchers' dry-run plans (no vLLM import)."""
-    pd = cfg.disaggregation
-    if not pd.enabled:
-        return []
-    ptp = pd.prefill_tensor_parallel_size or cfg.tensor_parallel_size
-    tp = cfg.tensor_parallel_size
-    transport = ("KV files under <run_dir>/vllm/kv/" if pd.connector in _FILE_CONNECTORS
-                 else f"kv_buffer_device {pd.kv_buffer_device}")
-    return [
-        f"  prefill/decode disaggregation: each inference worker = 1 prefill + 1 decode vLLM instance "
-        f"({ptp + tp} GPU(s)/worker)",
-        f"    prefill instance: kv_role {PREFILL}, tensor_parallel_size {ptp}, GPUs [0, {ptp}) of the worker",
-        f"    decode instance:  kv_role {DECODE}, tensor_parallel_size {tp}, GPUs [{ptp}, {ptp + tp}) of the worker",
-        f"    KV connector: {pd.connector} ({transport}); prompts prefill on the first, completions decode on the second",
-    ]
 
 
 class DisaggregatedVLLMEngine(Engine):
@@ -217,7 +197,7 @@ class DisaggregatedVLLMEngine(Engine):
     def _forget_transferred_kv(self) -> None:
         """File connectors find KV by the prompt's tokens alone: files left behind would serve KV of older weights
         to a later request with the same prompt (and fill the disk)."""
-        if self.connector in _FILE_CONNECTORS:
+        if self.connector in FILE_CONNECTORS:
             for entry in self.kv_dir.iterdir():
                 shutil.rmtree(entry, ignore_errors=True)
 

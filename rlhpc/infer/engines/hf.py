@@ -8,8 +8,8 @@ from typing import Iterable, List, Sequence, Tuple
 import torch
 
 from rlhpc.infer.engines import Completion, Engine
-from rlhpc.models import load_model
-from rlhpc.train import sparse
+from rlhpc.modeling import sparse
+from rlhpc.modeling.models import load_model
 
 
 class HFEngine(Engine):
@@ -85,8 +85,8 @@ class HFEngine(Engine):
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Tensors under Hugging Face checkpoint names (in-memory names work too); per-expert MoE tensors are written
-        into their slices of the model's fused experts (rlhpc/names.py)."""
-        from rlhpc.names import Loader
+        into their slices of the model's fused experts (rlhpc/modeling/names.py)."""
+        from rlhpc.modeling.names import Loader
 
         loader = getattr(self, "_loader", None)
         if loader is None:

@@ -44,6 +44,12 @@ class RemoteEngine(Engine):
         self.model = model or self.models()[0]["id"]
         self.version = 0  # the newest weights version seen in an answer
 
+    @property
+    def endpoint(self) -> Tuple[str, Optional[str], str]:
+        """(URL, token, model id): this engine is an endpoint already, which a harness that calls the model over HTTP
+        (a verifiers environment) uses as it is."""
+        return self.url, self.token, self.model
+
     def models(self) -> List[Dict[str, Any]]:
         return self._check(self.client.get("/v1/models"))["data"]
 

@@ -47,9 +47,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from rlhpc.config import InferenceConfig
+from rlhpc.config.schema import InferenceConfig
 from rlhpc.infer.engines import Completion, Engine
-from rlhpc.infer.engines import vllm_patches as patches
+from rlhpc.patches import vllm as patches
 
 log = logging.getLogger(__name__)
 

@@ -30,24 +30,28 @@ row on one rank. The attention then applies the choice.
 from __future__ import annotations
 
 import types
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 
-from rlhpc.train.batching import segment_mask
-from rlhpc.train.context import ContextGroup, gather_positions
+from rlhpc.modeling.segments import segment_mask
+from rlhpc.patches.registry import check as check_patch
+
+if TYPE_CHECKING:
+    from rlhpc.train.context import ContextGroup  # the trainer's: its cp, its rank and `gather`
 
 SPARSE_ATTENTION = ("glm_moe_dsa",)  # models whose indexer `install` replaces
 
 
-def install(model: torch.nn.Module, block_elements: int = 0, group: Optional[ContextGroup] = None) -> bool:
+def install(model: torch.nn.Module, block_elements: int = 0, group: Optional["ContextGroup"] = None) -> bool:
     """Gives every DSA indexer of `model` the order-stable choice of keys; False for a model without one. With
     `block_elements` (trainer.attention_block_elements) the indexer scores its queries a block at a time: each block's
     [B, block, T] scores at most that many elements (x index_n_heads while they are summed over the heads). `group`:
     the context group whose ranks split the packed rows (trainer.cp > 1), which the indexer gathers the keys from."""
     if getattr(model.config, "model_type", None) not in SPARSE_ATTENTION:
         return False
+    check_patch("dsa_indexer_forward")  # rlhpc/patches/registry.py
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer
 
     for module in model.modules():
@@ -126,7 +130,7 @@ def _project(indexer, hidden_states, q_resid, position_embeddings, attention_mas
         if group is None or width != S * group.cp:
             raise ValueError(f"the indexer got {S} positions of packed rows of {width}, and no context group splits "
                              "them so")
-        keys, start = gather_positions(keys, group), group.rank * S
+        keys, start = group.gather(keys), group.rank * S
     return queries, keys, weights, lambda lo, hi: segment_mask(segments, start + lo, start + hi, width)[:, 0]
 
 

@@ -15,10 +15,10 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from rlhpc.rundir import RunDir, read_json_object, write_json
+from rlhpc.run.rundir import RunDir, read_json_object, write_json
 
 if TYPE_CHECKING:
-    from rlhpc.config import Config
+    from rlhpc.config.schema import Config
     from rlhpc.env import Environment
 
 # (weights version, held-out reward), in version order.
@@ -61,7 +61,7 @@ def write_result(run: RunDir, version: int, reward: float, tasks: int) -> None:
 
 
 def read_curve(run: RunDir, problems: Optional[Dict[Path, str]] = None) -> Curve:
-    """Every evaluation recorded so far, in version order (`problems`: as rlhpc.rundir.read_json_object)."""
+    """Every evaluation recorded so far, in version order (`problems`: as rlhpc.run.rundir.read_json_object)."""
     rows = (read_json_object(p, problems, ("version", "reward")) for p in sorted(evals_dir(run).glob("v*.json")))
     return sorted((r["version"], r["reward"]) for r in rows if r)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from rlhpc.rundir import read_json
+from rlhpc.run.rundir import read_json
 from rlhpc.transport.queue import SUFFIX, RolloutBatch
 
 

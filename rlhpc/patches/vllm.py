@@ -1,9 +1,10 @@
-"""Every change rlhpc makes to vLLM's (and the interpreter's) process globals, each with its undo, in one place.
+"""The changes rlhpc makes to vLLM's (and the interpreter's) process globals, each with its undo.
 
 The vLLM engine runs the engine core in-process, and sometimes two engines in one process (prefill and decode). A few
 of vLLM's globals assume one engine per process; the context managers below swap them around each engine's calls and
-always put back what was there. They touch vLLM internals, so they were checked against the versions in
-CHECKED_VERSIONS, and `check()` fails with a clear message when an installed vLLM lacks what they touch.
+always put back what was there. They touch vLLM internals, so they were checked against the versions that
+rlhpc/patches/registry.py names (`vllm_engine_globals`), and `check()` fails with a clear message when an installed
+vLLM lacks what they touch.
 """
 
 from __future__ import annotations
@@ -14,44 +15,14 @@ from typing import Any, Callable, Iterator, List
 
 import torch
 
-CHECKED_VERSIONS = ("0.32.0",)
-
-# (module, attribute) pairs of vLLM that the patches below read or replace.
-_INTERNALS = (
-    ("vllm.distributed.kv_transfer.kv_transfer_state", "_KV_CONNECTOR_AGENT"),
-    ("vllm.v1.engine.core", "cleanup_dist_env_and_memory"),
-)
+from rlhpc.patches import registry
+from rlhpc.patches.registry import swapped
 
 
 def check() -> None:
-    """Raises RuntimeError naming the vLLM version and the internals it lacks, if any (call before using vLLM)."""
-    import importlib
-
-    import vllm
-
-    missing = []
-    for module, attr in _INTERNALS:
-        try:
-            if not hasattr(importlib.import_module(module), attr):
-                missing.append(f"{module}.{attr}")
-        except ImportError:
-            missing.append(module)
-    if missing:
-        raise RuntimeError(
-            f"vLLM {vllm.__version__} lacks internals rlhpc's in-process engine relies on ({', '.join(missing)}); "
-            f"rlhpc was checked against vLLM {', '.join(CHECKED_VERSIONS)}: install one of those "
-            f"(rlhpc/infer/engines/vllm_patches.py says what each patch is for)")
-
-
-@contextlib.contextmanager
-def swapped(owner: Any, attr: str, value: Any) -> Iterator[Any]:
-    """Sets `owner.attr` to `value` for the block and puts the old value back; yields the old value."""
-    saved = getattr(owner, attr)
-    setattr(owner, attr, value)
-    try:
-        yield saved
-    finally:
-        setattr(owner, attr, saved)
+    """Raises RuntimeError naming the vLLM version and the internals it lacks, if any (call before using vLLM): the
+    registry's `vllm_engine_globals` (rlhpc/patches/registry.py holds the internals and the versions checked)."""
+    registry.check("vllm_engine_globals")
 
 
 @contextlib.contextmanager
@@ -99,4 +70,5 @@ def no_dist_cleanup() -> contextlib.AbstractContextManager:
 
 def applied() -> List[str]:
     """What the patches touch, for logs and docs."""
-    return [f"{m}.{a}" for m, a in _INTERNALS] + ["torch.set_num_threads", "tempfile.tempdir"]
+    internals = registry.PATCHES["vllm_engine_globals"].internals
+    return [i.replace(":", ".") for i in internals] + ["torch.set_num_threads", "tempfile.tempdir"]

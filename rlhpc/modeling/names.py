@@ -137,7 +137,7 @@ class CheckpointNames:
         if self.layout is None:
             raise NotImplementedError(
                 f"{name}: fused MoE experts of model type {self.model_type!r}, whose checkpoint layout rlhpc does not "
-                "know; add its family to rlhpc/names.py (see transformers' conversion_mapping.py)"
+                "know; add its family to rlhpc/modeling/names.py (see transformers' conversion_mapping.py)"
             )
         return self.layout
 

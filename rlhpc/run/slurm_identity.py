@@ -5,7 +5,7 @@ component 1 the inference workers. Slurm tells no task its component: `SLURM_PRO
 order, so task p belongs to the first component k with p < NTASKS_HET_GROUP_0 + ... + NTASKS_HET_GROUP_k, and its rank
 within the role is p minus the tasks before that component. Every task sees the leader's `SLURM_JOB_ID`.
 
-    python -m rlhpc.cluster.slurm_identity      # prints "trainer-0", "inference-1", ...: the task's log name
+    python -m rlhpc.run.slurm_identity      # prints "trainer-0", "inference-1", ...: the task's log name
 
 With vLLM instances over several nodes (RLHPC_NODES_PER_INSTANCE=N, from inference.nodes_per_instance), the inference
 component has N tasks per worker: the worker and N - 1 followers ("follower-<f>"; see _instance_place).
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, Tuple
 
-from rlhpc.identity import Identity
+from rlhpc.run.identity import Identity
 
 # Component k of the heterogeneous job runs ROLES[k].
 ROLES = ("trainer", "inference")
@@ -149,7 +149,7 @@ def main() -> int:
     try:
         role, rank, _ = role_and_rank(os.environ)
     except (SlurmIdentityError, KeyError) as e:
-        print(f"rlhpc.cluster.slurm_identity: {e}", file=sys.stderr)
+        print(f"rlhpc.run.slurm_identity: {e}", file=sys.stderr)
         return 1
     print(f"{role}-{rank}")
     return 0

@@ -14,7 +14,7 @@ import json
 import time
 from typing import Dict, List, Mapping, Optional
 
-from rlhpc.rundir import RunDir
+from rlhpc.run.rundir import RunDir
 
 
 def phase_of(row: Mapping) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from rlhpc.procs import tail
+from rlhpc.run.procs import tail
 
 
 def fsync_path(path: Path) -> None:

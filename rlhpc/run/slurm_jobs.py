@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from rlhpc.cluster.slurm_identity import ROLES
-from rlhpc.rundir import RunDir, read_json, read_json_object, write_json
+from rlhpc.run.rundir import RunDir, read_json, read_json_object, write_json
+from rlhpc.run.slurm_identity import ROLES
 
 # JobState.source when no Slurm command answered (not installed here, or no controller reachable).
 NO_ANSWER = "neither sacct nor squeue answered"
@@ -161,7 +161,7 @@ def record_job(run: RunDir, entry: Dict[str, Any]) -> None:
 
 
 def recorded_jobs(run: RunDir, problems: Optional[Dict[Path, str]] = None) -> List[Dict[str, Any]]:
-    """The Slurm jobs of the run (jobs.json; `problems`: as rlhpc.rundir.read_json_object)."""
+    """The Slurm jobs of the run (jobs.json; `problems`: as rlhpc.run.rundir.read_json_object)."""
     path = jobs_file(run)
     jobs = (read_json_object(path, problems) or {"jobs": []}).get("jobs")
     if isinstance(jobs, list) and all(isinstance(j, dict) and "job_id" in j for j in jobs):

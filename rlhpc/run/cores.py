@@ -109,7 +109,7 @@ class Borrower:
 
     def attach(self, model: torch.nn.Module) -> None:
         """Looks before each decoder block's forward and backward (the backward of a CPU model runs on this thread)."""
-        from rlhpc.train.parallel import decoder_blocks
+        from rlhpc.modeling.models import decoder_blocks
 
         def before_backward(_module, _inputs, output):
             out = output[0] if isinstance(output, tuple) else output

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from rlhpc.metrics import bottleneck
-from rlhpc.rundir import RunDir, read_json, write_json
+from rlhpc.run.metrics import bottleneck
+from rlhpc.run.rundir import RunDir, read_json, write_json
 
 
 def print_summary(run: RunDir, wall_time_s: Optional[float] = None) -> dict:

@@ -20,7 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 # The Hydra config folder (conf/ beside the package; RLHPC_CONF_DIR points elsewhere).
-CONF_DIR = Path(os.environ.get("RLHPC_CONF_DIR", Path(__file__).resolve().parents[1] / "conf"))
+CONF_DIR = Path(os.environ.get("RLHPC_CONF_DIR", Path(__file__).resolve().parents[2] / "conf"))
 
 
 @dataclass
@@ -412,7 +412,7 @@ class EvalConfig:
     """The held-out evaluation of a training run."""
 
     # Held-out evaluation (greedy) every this many RL steps, plus after SFT and at the end; 0: only those two. During
-    # RL inference worker 0 evaluates, with the run's engine, into run_dir/evals/ (rlhpc/train/evaluation.py).
+    # RL inference worker 0 evaluates, with the run's engine, into run_dir/evals/ (rlhpc/run/evaluation.py).
     interval: int = 10
     # Held-out tasks evaluated: the first this many of the environment's eval split.
     num_tasks: int = 64
@@ -498,7 +498,7 @@ class LauncherConfig:
     submit: bool = True
     # launcher=local: a role waiting on the other (workers on back-pressure, the trainer on rollouts) lends its threads
     # (trainer.threads, inference.threads), and the other role's processes use them until it works again, never more
-    # than the machine's cores (rlhpc/cores.py): 6-9% faster steps (docs/performance.md). false keeps every role's
+    # than the machine's cores (rlhpc/run/cores.py): 6-9% faster steps (docs/performance.md). false keeps every role's
     # threads fixed (a thread count that changes within a step changes floating-point sums in their last bits).
     lend_cores: bool = True
 
@@ -580,7 +580,7 @@ def register_check(name: str, check: Callable[[Config], None]) -> None:
 def validate(cfg: Config) -> None:
     """Checks what the types cannot; raises ConfigError naming the key."""
     if not _CHECKS:
-        raise RuntimeError("no config checks are registered: import rlhpc.algo before rlhpc.config.validate")
+        raise RuntimeError("no config checks are registered: import rlhpc.algo before rlhpc.config.schema.validate")
     for key, choices in _CHOICES.items():
         value = cfg
         for part in key.split("."):

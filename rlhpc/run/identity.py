@@ -1,7 +1,7 @@
 """Who a role process is: role, rank, size, run directory, attempt. Learned from the environment, never from a launcher.
 
 - the local launcher sets RLHPC_ROLE, RLHPC_RANK, RLHPC_ROLE_SIZE, RLHPC_RUN_DIR (and MASTER_ADDR/PORT for the trainer);
-- under Slurm, `rlhpc.cluster.slurm_identity` derives the same from SLURM_* variables of the heterogeneous job.
+- under Slurm, `rlhpc.run.slurm_identity` derives the same from SLURM_* variables of the heterogeneous job.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from typing import Any, Dict, Optional, Set
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from rlhpc.config import ModelConfig
-from rlhpc.dtypes import dtype_of
+from rlhpc.config.schema import ModelConfig
+from rlhpc.modeling.dtypes import dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -177,3 +177,13 @@ def copy_checkpoint(src: str | Path, dst: str | Path) -> Path:
     for f in sorted(p for p in src.iterdir() if p.is_file()):
         shutil.copyfile(f, dst / f.name)
     return dst
+
+
+def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The repeated blocks of a Hugging Face causal LM (model.model.layers for Qwen3, Qwen3-MoE, GLM-5, MiniMax-M2,
+    DeepSeek...)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no `model.layers` to shard per block")
+    return layers
