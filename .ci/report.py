@@ -2,8 +2,9 @@
 
     python .ci/report.py NAME=RECORD.jsonl [NAME=RECORD.jsonl ...]
 
-Each RECORD is what tests/conftest.py appends under RLHPC_TEST_RECORD: one JSON line per test with its id, outcome and
-seconds (setup, call and teardown together). docs/testing.md explains the tiers these numbers belong to.
+Each RECORD is what tests/conftest.py appends under RLHPC_TEST_RECORD: one JSON line per test with its id, outcome,
+seconds (setup, call and teardown together) and the CPU seconds of the processes it waited for. docs/testing.md
+explains the tiers these numbers belong to.
 """
 
 import json
@@ -25,9 +26,12 @@ def main(args):
         rows += [dict(r, phase=name) for r in phase]
     total = sum(r["seconds"] for r in rows)
     print(f"{'total':>12}: {total:7.0f} s of tests ({total / 60:4.1f} min), {len(rows)} tests")
-    print("the 15 slowest:")
+    # CPU: the seconds of CPU of the processes the test waited for; far below its seconds, the test mostly waited.
+    print("the 15 slowest (seconds, CPU seconds):")
     for r in sorted(rows, key=lambda r: -r["seconds"])[:15]:
-        print(f"  {r['seconds']:7.1f} s  {r['phase']:<8} {r['outcome']:<7} {r['id']}")
+        cpu = r.get("cpu_seconds")
+        cpu = f"{cpu:7.1f}" if cpu is not None else "      ?"
+        print(f"  {r['seconds']:7.1f} s {cpu} cpu  {r['phase']:<8} {r['outcome']:<7} {r['id']}")
 
 
 if __name__ == "__main__":
