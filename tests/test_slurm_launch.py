@@ -396,8 +396,10 @@ def test_a_failing_role_fails_the_job_promptly_with_its_error_and_log(cluster, t
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     run_dir = cluster.track(tmp_path / "run")
     t0 = time.monotonic()
+    # Fail-fast (restarts off): the first failure ends the job (tests/test_restarts.py covers the task loop's restarts).
     proc = launch(*SMALL, *ON_CLUSTER, "launcher.wait=true", "trainer.steps=50", "trainer.rollout_timeout_s=600",
-                  "env.cls=crash_env:CrashInInference", f"run_dir={run_dir}", cwd=tmp_path, env=env, timeout=180)
+                  "inference.max_restarts=0", "env.cls=crash_env:CrashInInference", f"run_dir={run_dir}", cwd=tmp_path,
+                  env=env, timeout=180)
     assert time.monotonic() - t0 < 120  # not the trainer's 600 s wait for rollouts
     assert proc.returncode == 1
     (job_id,) = cluster.job_ids(run_dir)
