@@ -308,8 +308,8 @@ class InferenceConfig:
     # A worker (or follower) that dies is started again, up to this many times per worker within
     # inference.restart_window_s (by the local launcher, or inside the Slurm job by its task); it rejoins at the next
     # update (broadcast) or the newest snapshot (filesystem). One that dies again the same way (exit code and last log
-    # line) without having published anything is not restarted again: the run ends, saying why. 0: a dead worker
-    # ends the run.
+    # line) without doing any work in between (a worker: publishing a batch; a follower: joining its leader) is not
+    # restarted again: the run ends, saying why. 0: a dead worker ends the run.
     max_restarts: int = 3
     # The window over which inference.max_restarts counts a worker's restarts (0: the whole run).
     restart_window_s: float = 3600.0

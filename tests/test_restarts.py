@@ -137,8 +137,10 @@ def wait_until(ok, timeout, what):
 @pytest.mark.slow  # over 10 s here: a short run from a tiny model, a worker killed and restarted mid-run
 def test_under_default_settings_a_worker_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path):
     run_dir, steps = tmp_path / "run", 12
-    p = subprocess.Popen([sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", f"trainer.steps={steps}"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Restart settings as shipped. A kill that lands mid-broadcast holds the survivors in the broken collective for
+    # weights.member_timeout_s (60 s by default): shortened here, it only shortens the test.
+    p = subprocess.Popen([sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", f"trainer.steps={steps}",
+                          "weights.member_timeout_s=10"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ledger = run_dir / "queue" / "ledger.jsonl"
         wait_until(lambda: ledger.exists() and len(ledger.read_text().splitlines()) >= 2 or p.poll() is not None, 180,
