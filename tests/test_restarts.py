@@ -180,3 +180,27 @@ def test_under_default_settings_a_worker_that_crashes_at_every_start_ends_the_ru
     assert failed["role"] == "inference" and "tool server unreachable" in failed["error"]
     assert took < 120, took  # not the budget's three restarts, nor the trainer's wait for rollouts
     assert rlhpc_processes(run_dir) == []
+
+
+@pytest.mark.slow  # over 10 s here: a short run whose workers die at their first start
+def test_sigterm_during_a_back_off_ends_the_run_at_once_and_starts_nothing_more(tmp_path):
+    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", "trainer.steps=50",
+                          "env.cls=crashing_env:FailsToStartInWorkers", "inference.restart_backoff_s=300"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in p.stderr:  # the launcher's word that a worker waits out its back-off
+            if "restarting it (1 of inference.max_restarts=3) in 300s" in line:
+                break
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 143
+    assert took < 30, took  # the trainer's checkpoint grace at most, not the back-off
+    assert all("restart 1" not in log.read_text() for log in (run_dir / "logs").glob("inference-*.log"))
+    assert rlhpc_processes(run_dir) == []
