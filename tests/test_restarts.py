@@ -119,6 +119,8 @@ def test_the_slurm_task_loop_stops_restarting_when_the_budget_is_spent(tmp_path)
     assert proc.returncode == 137
     assert "not restarting it: it died 3 times within inference.restart_window_s=3600s" in proc.stderr
     assert json.loads((run / "status" / "FAILED").read_text())["rank"] == 0  # its exit code stands in for its error
+    proc, run = task_loop(tmp_path / "attached", WORKING_LIVES="99", RLHPC_MAX_RESTARTS="2", RLHPC_ATTACH="1")
+    assert "not restarting it" in proc.stderr and not (run / "status" / "FAILED").exists()  # never the run's failure
     proc, run = task_loop(tmp_path / "off", RLHPC_MAX_RESTARTS="0")  # fail-fast: the first death ends the task
     assert proc.returncode == 1 and proc.stderr == "" and (run / "lives").read_text() == "1\n"
 

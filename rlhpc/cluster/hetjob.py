@@ -246,14 +246,15 @@ def _component_lines(plan: JobPlan, g: GroupPlan) -> List[str]:
 # seconds), after a back-off that doubles with each of them (awk does the arithmetic, up to 60 s), and not again when it
 # dies the same way as last time (exit code and last log line, numbers aside) without a heartbeat since it started
 # (the heartbeat file's modification time, whole seconds). A worker it gives up on makes its error (status/<name>.error,
-# or its exit code when it left none) the run's status/FAILED, unless one is there, and its task fails the job.
+# or its exit code when it left none) the run's status/FAILED, unless one is there or the worker is attached
+# (rlhpc.cluster.attach), and its task fails the job.
 # It rejoins at the newest weights. Slurm signals every process of the step (measured: srun's forwarded USR1 reaches
 # this shell and the role once each), so the shell only notes a signal (a stopped role is not restarted; a back-off
 # ends early) and the role handles it itself.
 _TASK = (
     'name=$("$RLHPC_PYTHON" -m rlhpc.cluster.slurm_identity) || exit 1; export LOCAL_RANK=$SLURM_LOCALID; '
     'st=$RLHPC_RUN_DIR/status; log=$RLHPC_RUN_DIR/logs/$name.log; '
-    'max=0; [[ $name == inference-* || $name == follower-* ]] && max=$RLHPC_MAX_RESTARTS; n=0; stopped=""; '
+    'RLHPC_ATTACH=${RLHPC_ATTACH:-0}; max=0; [[ $name == inference-* || $name == follower-* ]] && max=$RLHPC_MAX_RESTARTS; n=0; stopped=""; '
     'deaths=""; last=""; '
     'trap "stopped=1" USR1 TERM INT; '
     'while true; do '
@@ -273,16 +274,16 @@ _TASK = (
     'work in between: it would crash at every start, so it is not restarted again; fix the cause (its log), then '
     'resubmit the job script to resume"; '
     'elif (( count > max )); then '
-    'why="it died $count times within inference.restart_window_s=${RLHPC_RESTART_WINDOW_S}s (0: the whole run), more '
+    'why="it died $count times within inference.restart_window_s=${RLHPC_RESTART_WINDOW_S}s, more '
     'than inference.max_restarts=$max restarts allow: raise inference.max_restarts (or lower '
     'inference.restart_window_s) to restart it more often; its log tells why it dies"; fi; '
     'last=$same; '
     'if [[ -n $why ]]; then '
     'echo "rlhpc: $name exited with code $code on $(hostname); not restarting it: $why" >&2; '
-    '[[ -e $st/$name.error ]] || printf "{\\"role\\": \\"%s\\", \\"rank\\": %s, \\"error\\": \\"exited with code %s '
+    'if [[ $RLHPC_ATTACH != 1 ]]; then [[ -e $st/$name.error ]] || printf "{\\"role\\": \\"%s\\", \\"rank\\": %s, \\"error\\": \\"exited with code %s '
     '(no Python error: killed from outside, or crashed) and was not restarted\\"}\\n" "${name%-*}" "${name##*-}" '
     '"$code" >"$st/$name.error"; '
-    'ln "$st/$name.error" "$st/FAILED" 2>/dev/null; exit $code; fi; '
+    'ln "$st/$name.error" "$st/FAILED" 2>/dev/null; fi; exit $code; fi; '
     'n=$((n + 1)); '
     'delay=$(awk -v b="$RLHPC_RESTART_BACKOFF_S" -v k="$count" '
     '"BEGIN { d = b * 2 ^ (k - 1); c = (b > 60 ? b : 60); print (d > c ? c : d) }"); '
