@@ -73,13 +73,15 @@ def main() -> int:
         if full:
             error = f"out of space: {full} ({out_of_space_advice(run.root)})"
             log.error("%s", error)
-        # The first failure is the cause; later ones are consequences. A worker the launcher will restart has not
-        # failed the run, nor has an attached worker (its attach command reports it).
-        if not run.failed.exists() and not ident.restarts_left and not ident.attached:
+        # The first failure is the cause; later ones are consequences. A worker the launcher may restart has not
+        # failed the run (its launcher makes its error the run's if it stops restarting it), nor has an attached
+        # worker (its attach command reports it).
+        marker = run.error_file(ident.role, ident.rank) if ident.restarts_left else run.failed
+        if not ident.attached and not run.failed.exists():
             try:
-                write_json(run.failed, {"role": ident.role, "rank": ident.rank, "error": error}, durable=False)
+                write_json(marker, {"role": ident.role, "rank": ident.rank, "error": error}, durable=False)
             except OSError as w:  # a full disk: the launcher finds that out itself (rundir.space_problem)
-                log.error("cannot write %s: %s", run.failed, w)
+                log.error("cannot write %s: %s", marker, w)
         return 1
     log.info("%s rank %d finished", ident.role, ident.rank)
     return 0

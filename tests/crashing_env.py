@@ -21,3 +21,12 @@ class CrashInWorkers(ReverseText):
         if _role() == "inference":
             raise RuntimeError("reward model exploded")
         return super().reward(task, completion)
+
+
+class FailsToStartInWorkers(ReverseText):
+    """Cannot be made in an inference worker (a missing dependency, a bad path): the worker dies at every start."""
+
+    def __init__(self, *args, **kwargs):
+        if _role() == "inference":
+            raise RuntimeError("tool server unreachable at startup")
+        super().__init__(*args, **kwargs)

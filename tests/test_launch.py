@@ -59,7 +59,8 @@ def rlhpc_processes(run_dir, roles_only: bool = False) -> list:
 def test_a_crashing_role_stops_the_others_and_the_launcher_shows_its_log(tmp_path):
     env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "env.cls=crashing_env:CrashInWorkers", "trainer.steps=50", env=env)
+    proc = launch(run_dir, "env.cls=crashing_env:CrashInWorkers", "trainer.steps=50", "inference.max_restarts=0",
+                  env=env)
     assert proc.returncode == 1
     assert "inference-" in proc.stderr and "exited with code 1" in proc.stderr
     assert "reward model exploded" in proc.stderr  # the tail of the failed role's log

@@ -396,8 +396,10 @@ def test_a_failing_role_fails_the_job_promptly_with_its_error_and_log(cluster, t
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     run_dir = cluster.track(tmp_path / "run")
     t0 = time.monotonic()
+    # Fail-fast (restarts off): the first failure ends the job (tests/test_restarts.py covers the task loop's restarts).
     proc = launch(*SMALL, *ON_CLUSTER, "launcher.wait=true", "trainer.steps=50", "trainer.rollout_timeout_s=600",
-                  "env.cls=crash_env:CrashInInference", f"run_dir={run_dir}", cwd=tmp_path, env=env, timeout=180)
+                  "inference.max_restarts=0", "env.cls=crash_env:CrashInInference", f"run_dir={run_dir}", cwd=tmp_path,
+                  env=env, timeout=180)
     assert time.monotonic() - t0 < 120  # not the trainer's 600 s wait for rollouts
     assert proc.returncode == 1
     (job_id,) = cluster.job_ids(run_dir)
@@ -536,6 +538,31 @@ def test_a_run_dir_whose_job_has_not_ended_is_not_launched_into_again(cluster, t
     _slurm("scancel", job_id)
     wait_final(job_id, timeout=60)
     assert f"state:   stopped: its Slurm job {job_id} ended CANCELLED" in status(run_dir)
+
+
+@pytest.mark.slow  # over 10 s here: a short job on the local cluster, a worker killed and restarted in it
+@pytest.mark.slurm
+def test_under_default_settings_a_killed_worker_is_restarted_inside_the_job(cluster, tmp_path):
+    run_dir, steps = cluster.track(tmp_path / "run"), 16
+    proc = subprocess.Popen([sys.executable, "-m", "rlhpc.launch", *SMALL, *ON_CLUSTER, "launcher.wait=true",
+                             f"trainer.steps={steps}", "weights.transport=filesystem", f"run_dir={run_dir}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        ledger = run_dir / "queue" / "ledger.jsonl"
+        deadline = time.monotonic() + 180
+        while not (ledger.exists() and len(ledger.read_text().splitlines()) >= 2) and proc.poll() is None:
+            assert time.monotonic() < deadline, "no trained step"
+            time.sleep(0.2)
+        os.kill(json.loads((run_dir / "status" / "inference-0.json").read_text())["pid"], 9)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    (out,) = (run_dir / "logs").glob("slurm-*.out")
+    assert "rlhpc: inference-0 exited with code 137 on" in out.read_text()
+    assert "restarting it (1 of inference.max_restarts=3) in 1s" in out.read_text()
+    assert [json.loads(line)["step"] for line in ledger.read_text().splitlines()] == list(range(steps))
 
 
 @pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)

@@ -8,8 +8,8 @@ up), join the weights group at whatever attempt the run is in, and feed the same
 its throughput. They leave when the run is done (status/DONE) or when their launcher or job ends. A failing attached
 worker is its own affair: logged in logs/inference-<rank>.log and reported by the attach command, never status/FAILED.
 
-- `launcher=local`: K processes on this machine, restarted per inference.max_restarts, ended on Ctrl-C, SIGTERM or SIGHUP;
-  the command exits 0 once the run is done and every worker has left.
+- `launcher=local`: K processes on this machine, restarted as the run's own (rlhpc.cluster.restarts), ended on Ctrl-C,
+  SIGTERM or SIGHUP; the command exits 0 once the run is done and every worker has left.
 - `launcher=slurm`: one ordinary (single-component) Slurm job holding only the K workers, for example to fill
   backfill gaps; submitted through submitit, recorded in rendezvous/attach/<attach id>/job.json, never in the run's
   jobs.json. It ends when the run is done, or at its own time limit.
@@ -217,6 +217,7 @@ class LocalAttach:
                 print(f"the run failed ({run.failure()}); ending the attached workers", file=sys.stderr)
                 return 1
             failed = [p for p in launcher.procs if p.popen.poll() not in (None, 0) and not launcher.restart(run, p)]
+            launcher.start_due(run)
             if failed and not run.done.exists():
                 p = failed[0]
                 print(f"attached {p.name} exited with code {p.popen.returncode}; the run goes on without it; ending "
@@ -224,7 +225,8 @@ class LocalAttach:
                       f"workers. Last lines of {run.log_file(p.role, p.rank)}:\n"
                       f"{tail(run.log_file(p.role, p.rank), 40)}", file=sys.stderr)
                 return 1
-            if all(p.popen.poll() is not None for p in launcher.procs) or run.done.exists():
+            if all(p.popen.poll() is not None and p.name not in launcher.due for p in launcher.procs) \
+                    or run.done.exists():
                 return self.leave()
             if cfg.launcher.timeout_s and time.time() - t0 > cfg.launcher.timeout_s:
                 print(f"launcher.timeout_s={cfg.launcher.timeout_s:.0f}s reached; ending the attached workers",
@@ -238,7 +240,7 @@ class LocalAttach:
         deadline = time.time() + grace_s
         while time.time() < deadline and any(p.popen.poll() is None for p in procs):
             time.sleep(0.1)
-        bad = [p for p in procs if p.popen.poll() not in (None, 0)]
+        bad = [p for p in procs if p.popen.poll() not in (None, 0) and p.name not in self.launcher.due]
         for p in bad:
             print(f"attached {p.name} exited with code {p.popen.returncode}. Last lines of "
                   f"{run.log_file(p.role, p.rank)}:\n{tail(run.log_file(p.role, p.rank), 40)}", file=sys.stderr)
@@ -296,6 +298,8 @@ class SlurmAttach:
             run_dir_line(plan.run_dir),
             f"export RLHPC_PYTHON={shlex.quote(plan.python)}",
             f"export RLHPC_MAX_RESTARTS={plan.max_restarts}",
+            f"export RLHPC_RESTART_WINDOW_S={plan.restart_window_s}",
+            f"export RLHPC_RESTART_BACKOFF_S={plan.restart_backoff_s:g}",
             "export RLHPC_ATTACH=1",
             f"export RLHPC_ATTACH_RANKS={','.join(map(str, ranks))}",
             f"export RLHPC_CONFIG_DIR={shlex.quote(str(folder))}",

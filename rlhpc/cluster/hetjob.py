@@ -14,6 +14,7 @@ job (`cluster.requeue`).
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import shutil
@@ -56,6 +57,8 @@ class JobPlan:
     python: str
     setup: List[str]
     max_restarts: int = 0  # inference.max_restarts: a dead worker's task is restarted inside the job
+    restart_window_s: int = 3600  # inference.restart_window_s, in whole seconds (the task loop counts in bash)
+    restart_backoff_s: float = 1.0  # inference.restart_backoff_s
     nodes_per_instance: int = 1  # inference.nodes_per_instance: the tasks (one a node) of each inference worker
 
     @property
@@ -164,6 +167,8 @@ def make_plan(cfg: Config) -> JobPlan:
         python=c.python or sys.executable,
         setup=list(c.setup),
         max_restarts=cfg.inference.max_restarts,
+        restart_window_s=math.ceil(cfg.inference.restart_window_s),
+        restart_backoff_s=cfg.inference.restart_backoff_s,
         nodes_per_instance=cfg.inference.nodes_per_instance,
     )
 
@@ -236,21 +241,56 @@ def _component_lines(plan: JobPlan, g: GroupPlan) -> List[str]:
 
 # Each task: find its log name (role-rank) from Slurm's variables, then run the role entry point. An inference worker
 # (or a follower of its instance: rlhpc/infer/follower.py) that dies while the run goes on (killed, crashed; not
-# stopped by a signal, the run not DONE or FAILED) is started again inside the job, up to inference.max_restarts
-# times: it rejoins at the newest weights snapshot. Slurm signals
-# every process of the step (measured: srun's forwarded USR1 reaches this shell and the role once each), so the shell
-# only notes a signal (a stopped role is not restarted) and the role handles it itself.
+# stopped by a signal, the run not DONE or FAILED) is started again inside the job by the policy of
+# rlhpc.cluster.restarts, here in bash: at most inference.max_restarts times within inference.restart_window_s (whole
+# seconds), after a back-off that doubles with each of them (awk does the arithmetic, up to 60 s), and not again when it
+# dies the same way as last time (exit code and last log line, numbers aside) without a heartbeat since it started
+# (the heartbeat file's modification time, whole seconds). A worker it gives up on makes its error (status/<name>.error,
+# or its exit code when it left none) the run's status/FAILED, unless one is there or the worker is attached
+# (rlhpc.cluster.attach), and its task fails the job.
+# It rejoins at the newest weights. Slurm signals every process of the step (measured: srun's forwarded USR1 reaches
+# this shell and the role once each), so the shell only notes a signal (a stopped role is not restarted; a back-off
+# ends early) and the role handles it itself.
 _TASK = (
     'name=$("$RLHPC_PYTHON" -m rlhpc.run.slurm_identity) || exit 1; export LOCAL_RANK=$SLURM_LOCALID; '
-    'max=0; [[ $name == inference-* || $name == follower-* ]] && max=$RLHPC_MAX_RESTARTS; n=0; stopped=""; '
+    'st=$RLHPC_RUN_DIR/status; log=$RLHPC_RUN_DIR/logs/$name.log; '
+    'RLHPC_ATTACH=${RLHPC_ATTACH:-0}; max=0; [[ $name == inference-* || $name == follower-* ]] && max=$RLHPC_MAX_RESTARTS; n=0; stopped=""; '
+    'deaths=""; last=""; '
     'trap "stopped=1" USR1 TERM INT; '
     'while true; do '
-    'RLHPC_RESTART=$n RLHPC_RESTARTS_LEFT=$((max - n)) "$RLHPC_PYTHON" -m rlhpc.role >>"$RLHPC_RUN_DIR/logs/$name.log" 2>&1; '
+    'rm -f "$st/$name.error"; start=$(date +%s); '
+    'RLHPC_RESTART=$n RLHPC_RESTARTS_LEFT=$max "$RLHPC_PYTHON" -m rlhpc.role >>"$log" 2>&1; '
     'code=$?; '
-    '[[ $code == 0 || $code == 75 || -n $stopped || $n -ge $max || -e $RLHPC_RUN_DIR/status/DONE '
-    '|| -e $RLHPC_RUN_DIR/status/FAILED ]] && exit $code; '
+    '[[ $code == 0 || $code == 75 || -n $stopped || $max == 0 || -e $st/DONE || -e $st/FAILED ]] && exit $code; '
+    'now=$(date +%s); '
+    'line=$(tail -n 20 "$log" | grep -v "^[[:space:]]*$" | tail -n 1 | sed -E "s/^[0-9-]+ [0-9:,]+ //"); '
+    'beat=$(stat -c %Y "$st/$name.json" 2>/dev/null || echo 0); '
+    'recent=""; for t in $deaths $now; do '
+    '(( RLHPC_RESTART_WINDOW_S == 0 || t > now - RLHPC_RESTART_WINDOW_S )) && recent="$recent $t"; done; '
+    'deaths=$recent; count=$(echo $deaths | wc -w); why=""; '
+    'same="$code $(sed -E "s/[0-9]+/#/g" <<<"$line")"; '
+    'if (( beat < start )) && [[ $same == "$last" ]]; then '
+    'why="it crashed the same way at two starts in a row (exit code $code, last log line: $line) without doing any '
+    'work in between: it would crash at every start, so it is not restarted again; fix the cause (its log), then '
+    'resubmit the job script to resume"; '
+    'elif (( count > max )); then '
+    'why="it died $count times within inference.restart_window_s=${RLHPC_RESTART_WINDOW_S}s, more '
+    'than inference.max_restarts=$max restarts allow: raise inference.max_restarts (or lower '
+    'inference.restart_window_s) to restart it more often; its log tells why it dies"; fi; '
+    'last=$same; '
+    'if [[ -n $why ]]; then '
+    'echo "rlhpc: $name exited with code $code on $(hostname); not restarting it: $why" >&2; '
+    'if [[ $RLHPC_ATTACH != 1 ]]; then [[ -e $st/$name.error ]] || printf "{\\"role\\": \\"%s\\", \\"rank\\": %s, \\"error\\": \\"exited with code %s '
+    '(no Python error: killed from outside, or crashed) and was not restarted\\"}\\n" "${name%-*}" "${name##*-}" '
+    '"$code" >"$st/$name.error"; '
+    'ln "$st/$name.error" "$st/FAILED" 2>/dev/null; fi; exit $code; fi; '
     'n=$((n + 1)); '
-    'echo "rlhpc: $name exited with code $code on $(hostname); restarting it ($n of inference.max_restarts=$max)" >&2; '
+    'delay=$(awk -v b="$RLHPC_RESTART_BACKOFF_S" -v k="$count" '
+    '"BEGIN { d = b * 2 ^ (k - 1); c = (b > 60 ? b : 60); print (d > c ? c : d) }"); '
+    'echo "rlhpc: $name exited with code $code on $(hostname); restarting it ($count of inference.max_restarts=$max) '
+    'in ${delay}s" >&2; '
+    'sleep "$delay" & wait $!; kill $! 2>/dev/null; '
+    '[[ -n $stopped || -e $st/DONE || -e $st/FAILED ]] && exit $code; '
     'done'
 )
 
@@ -361,6 +401,8 @@ def render_script(plan: JobPlan, exp_name: str = "") -> str:
         f"export RLHPC_PYTHON={shlex.quote(plan.python)}",
         f"export RLHPC_REQUEUE={int(plan.requeue)}",
         f"export RLHPC_MAX_RESTARTS={plan.max_restarts}",
+        f"export RLHPC_RESTART_WINDOW_S={plan.restart_window_s}",
+        f"export RLHPC_RESTART_BACKOFF_S={plan.restart_backoff_s:g}",
         # inference.nodes_per_instance: rlhpc.run.slurm_identity reads it to tell a worker from its followers
         f"export RLHPC_NODES_PER_INSTANCE={plan.nodes_per_instance}",
         "export PYTHONUNBUFFERED=1",

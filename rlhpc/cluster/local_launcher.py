@@ -1,8 +1,9 @@
 """The local launcher: every role as a plain OS process on this machine, through the same entry point Slurm uses.
 
 It watches its children: a role that fails ends the others and the launcher exits non-zero with the tail of that
-role's log, except an inference worker with restarts left (`inference.max_restarts`), which is started again and
-rejoins at the newest weights snapshot while training goes on; Ctrl-C, SIGTERM or a closed terminal (SIGHUP) ends
+role's log, except an inference worker (or follower) that the restart policy starts again (rlhpc.cluster.restarts:
+`inference.max_restarts` per `inference.restart_window_s`, after a back-off, never one that crashes at every start),
+which rejoins at the newest weights while training goes on; Ctrl-C, SIGTERM or a closed terminal (SIGHUP) ends
 every process it started, the trainer checkpointing on its way out; a progress bar follows the trainer's heartbeat.
 """
 
@@ -14,8 +15,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import IO, Callable, List, Optional
+from typing import IO, Callable, Dict, List, Optional
 
+from rlhpc.cluster.restarts import Death, RestartPolicy, decide, last_line
 from rlhpc.config.disaggregation import describe as disagg_describe
 from rlhpc.config.schema import Config
 from rlhpc.run.procs import LOG_START, exit_code, free_port, on_stop_signals, tail
@@ -73,6 +75,8 @@ class LocalLauncher:
         self.cfg = cfg
         self.procs: List[Proc] = []
         self.restarts: dict = {}  # name of an inference worker or follower -> times restarted
+        self.deaths: Dict[str, List[Death]] = {}  # name -> its deaths, oldest first (rlhpc.cluster.restarts)
+        self.due: Dict[str, float] = {}  # name of a dead worker -> when its back-off ends and it starts again
         self.env: dict = {}  # added to every role's environment (attached workers: rlhpc.cluster.attach)
 
     def test_allocation(self) -> None:
@@ -99,6 +103,7 @@ class LocalLauncher:
             RLHPC_ATTEMPT=self.attempt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.cfg.trainer.threads),
             **local_gpus(self.cfg, role, rank), **self.env, **extra_env,
         )
+        run.error_file(role, rank).unlink(missing_ok=True)  # an error of an earlier life is not this one's
         log = open(run.log_file(role, rank), "ab")
         restart = extra_env.get("RLHPC_RESTART")
         log.write(f"{LOG_START} {role}-{rank} at {time.strftime('%Y-%m-%d %H:%M:%S')} (launch {self.attempt}"
@@ -163,6 +168,7 @@ class LocalLauncher:
                     print(f"\nstopping: received {signal.Signals(stop['signal']).name}; ending all roles", file=sys.stderr)
                     return exit_code(stop["signal"])
                 failed = [p for p in self.procs if p.popen.poll() not in (None, 0) and not self.restart(run, p)]
+                self.start_due(run)
                 if failed:
                     p = self.cause(run, failed[0])
                     print(f"\n{p.name} exited with code {p.popen.poll()}; ending the others. Last lines of "
@@ -178,7 +184,7 @@ class LocalLauncher:
                     deadline = time.time() + 30
                     while time.time() < deadline and any(p.popen.poll() is None for p in self.procs):
                         time.sleep(0.1)
-                    bad = [p for p in self.procs if p.popen.poll() not in (None, 0)]
+                    bad = [p for p in self.procs if p.popen.poll() not in (None, 0) and p.name not in self.due]
                     if bad:
                         p = bad[0]
                         print(f"\n{p.name} exited with code {p.popen.returncode}:\n{tail(run.log_file(p.role, p.rank), 40)}",
@@ -196,22 +202,59 @@ class LocalLauncher:
                 bar.close()
 
     def restart(self, run: RunDir, p: Proc) -> bool:
-        """Starts a dead inference worker (or follower) again if it has restarts left and the run goes on; True if it
-        did."""
-        n, limit = self.restarts.get(p.name, 0), self.cfg.inference.max_restarts
-        if p.role not in ("inference", "follower") or n >= limit or run.done.exists() or run.failed.exists():
+        """Decides on a dead inference worker (or follower): True if it is to be started again (by start_due, once its
+        back-off is over; it stays dead meanwhile and the others go on), False if its death ends the run. Refused, its
+        error becomes the run's (status/FAILED) and the reason is printed."""
+        if p.name in self.due:
+            return True
+        limit = self.cfg.inference.max_restarts
+        if p.role not in ("inference", "follower") or run.done.exists() or run.failed.exists():
             return False
-        if space_problem(run.root):  # it would only fail again: the run stops, saying why
+        log = run.log_file(p.role, p.rank)
+        beat = read_json(run.status / f"{p.name}.json") or {}
+        deaths = self.deaths.setdefault(p.name, [])
+        deaths.append(Death(time.monotonic(), p.popen.returncode, last_line(tail(log, 20)),
+                            worked=beat.get("pid") == p.popen.pid))
+        verdict = decide(deaths, RestartPolicy.of(self.cfg.inference))
+        why_not = verdict.why_not if limit else ""
+        if verdict.restart and space_problem(run.root):  # it would only fail again: the run stops, saying why
+            why_not = "run_dir is out of space"
+        if not verdict.restart or why_not:
+            if why_not:
+                print(f"\n{p.name} exited with code {p.popen.returncode}; not restarting it: {why_not}", file=sys.stderr,
+                      flush=True)
+                self._report(run, p)
             return False
-        self.restarts[p.name] = n + 1
-        print(f"\n{p.name} exited with code {p.popen.returncode}; restarting it ({n + 1} of inference.max_restarts="
-              f"{limit}); last lines of its log:\n{tail(run.log_file(p.role, p.rank), 5)}", file=sys.stderr, flush=True)
+        self.restarts[p.name] = self.restarts.get(p.name, 0) + 1
+        self.due[p.name] = time.monotonic() + verdict.delay_s
+        window = self.cfg.inference.restart_window_s
+        print(f"\n{p.name} exited with code {p.popen.returncode}; restarting it ({verdict.count} of "
+              f"inference.max_restarts={limit}) in {verdict.delay_s:g}s"
+              f"{f' (restarts count within inference.restart_window_s={window:g}s)' if window else ''}; last lines "
+              f"of its log:\n{tail(log, 5)}", file=sys.stderr, flush=True)
         _killpg(p.popen.pid, signal.SIGKILL)  # what is left of its process group (environment pool processes)
         p.log.close()
-        new = self.spawn(run, p.role, p.rank, p.size,
-                         {"RLHPC_RESTART": str(n + 1), "RLHPC_RESTARTS_LEFT": str(limit - n - 1)})
-        self.procs[self.procs.index(p)] = new
         return True
+
+    def start_due(self, run: RunDir) -> None:
+        """Starts again the dead workers whose back-off is over, while the run goes on."""
+        if run.done.exists() or run.failed.exists():
+            return  # they are not needed any more (and are no failure): the watch loop ends the run
+        for p in [p for p in self.procs if self.due.get(p.name, float("inf")) <= time.monotonic()]:
+            del self.due[p.name]
+            self.procs[self.procs.index(p)] = self.spawn(
+                run, p.role, p.rank, p.size,
+                {"RLHPC_RESTART": str(self.restarts[p.name]), "RLHPC_RESTARTS_LEFT": str(self.cfg.inference.max_restarts)})
+
+    def _report(self, run: RunDir, p: Proc) -> None:
+        """A worker that is not restarted again: its error (kept aside while it could be restarted) becomes the run's
+        failure, unless another role's came first."""
+        error = read_json(run.error_file(p.role, p.rank))
+        if error and not run.failed.exists():
+            try:
+                write_json(run.failed, error, durable=False)
+            except OSError:
+                pass  # a full disk: reported on its own (space_problem)
 
     def cause(self, run: RunDir, first: Proc) -> Proc:
         """The role whose failure started it all: one killed by a signal (kill -9, the OOM killer, a crash), else the
@@ -223,7 +266,7 @@ class LocalLauncher:
         Signals of rlhpc's own (the launcher ends roles only after this) are not counted: none has been sent yet."""
         time.sleep(0.5)  # let the failing role's marker land
         info = read_json(run.failed)
-        killed = [p for p in self.procs if (p.popen.poll() or 0) < 0]
+        killed = [p for p in self.procs if (p.popen.poll() or 0) < 0 and p.name not in self.due]
         if killed:
             p = next((k for k in killed if k.popen.returncode == -signal.SIGKILL), killed[0])
             name = signal.Signals(-p.popen.returncode).name

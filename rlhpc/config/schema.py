@@ -305,10 +305,16 @@ class InferenceConfig:
     # A worker stops with an error when nothing has moved for this long: it published nothing, received no weights,
     # and the trainer claimed no step (0: wait forever).
     idle_timeout_s: float = 1800.0
-    # A worker that dies is started again, up to this many times per worker (by the local launcher, or inside the
-    # Slurm job by its task); it rejoins at the next update (broadcast) or the newest snapshot (filesystem). 0: a dead
-    # worker ends the run.
-    max_restarts: int = 0
+    # A worker (or follower) that dies is started again, up to this many times per worker within
+    # inference.restart_window_s (by the local launcher, or inside the Slurm job by its task); it rejoins at the next
+    # update (broadcast) or the newest snapshot (filesystem). One that dies again the same way (exit code and last log
+    # line) without doing any work in between (a worker: publishing a batch; a follower: joining its leader) is not
+    # restarted again: the run ends, saying why. 0: a dead worker ends the run.
+    max_restarts: int = 3
+    # The window over which inference.max_restarts counts a worker's restarts (0: the whole run).
+    restart_window_s: float = 3600.0
+    # Seconds before a restart; doubled with each restart of the same worker within the window, up to 60 s.
+    restart_backoff_s: float = 1.0
     # ---- vLLM-only settings (ignored by the transformers engine) ----
     # GPUs of one vLLM instance (tensor parallelism).
     tensor_parallel_size: int = 1
@@ -676,6 +682,8 @@ def validate(cfg: Config) -> None:
     need(cfg.queue.keep_quarantined >= 0, "queue.keep_quarantined", "must be >= 0")
     need(cfg.inference.idle_timeout_s >= 0, "inference.idle_timeout_s", "must be >= 0 (0: wait forever)")
     need(cfg.inference.max_restarts >= 0, "inference.max_restarts", "must be >= 0")
+    need(cfg.inference.restart_window_s >= 0, "inference.restart_window_s", "must be >= 0 (0: the whole run)")
+    need(cfg.inference.restart_backoff_s >= 0, "inference.restart_backoff_s", "must be >= 0")
     need(cfg.weights.member_timeout_s > 0, "weights.member_timeout_s", "must be > 0")
     need(cfg.weights.timeout_s > 0, "weights.timeout_s", "must be > 0 seconds")
     need(cfg.weights.snapshot_interval >= 0, "weights.snapshot_interval", "must be >= 0 (0: initial and final only)")

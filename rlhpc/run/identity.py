@@ -21,7 +21,8 @@ class Identity:
     attempt: str
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    # How many times this process was restarted after dying (inference.max_restarts), and how many restarts are left.
+    # How many times this process was restarted after dying, and inference.max_restarts when its launcher may restart
+    # it again (0: its death ends the run; rlhpc.cluster.restarts).
     restart: int = 0
     restarts_left: int = 0
     # An inference worker added to a running run (`+attach=inference`, rlhpc.cluster.attach): it joins the weights

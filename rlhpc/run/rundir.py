@@ -277,6 +277,11 @@ class RunDir:
     def failed(self) -> Path:
         return self.status / "FAILED"
 
+    def error_file(self, role: str, rank: int) -> Path:
+        """The error of a restartable role's last life, kept out of status/FAILED while it may be restarted: its
+        launcher (or Slurm task) makes it status/FAILED when it stops restarting the role (rlhpc.cluster.restarts)."""
+        return self.status / f"{role}-{rank}.error"
+
     @property
     def requeue(self) -> Path:
         """Written by the trainer when it checkpointed on a stop signal: the step the run goes on at."""

@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from rlhpc.modeling.dtypes import dtype_of
 from rlhpc.run.procs import node_address
 from rlhpc.run.rundir import RunDir, fsync_path, read_json, wait_for, write_json
+from rlhpc.run.stop import Stop, stop_requested
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +329,8 @@ class BroadcastSender(WeightsSender):
         deadline = time.monotonic() + timeout_s
         admitted: set = set()
         while expected - admitted:
+            if stop_requested():  # a Ctrl-C while a worker is down (waiting out its restart back-off, say)
+                raise Stop(stop_requested())
             admitted.update(self._read_claims(admitted, start=0))
             if expected - admitted and time.monotonic() > deadline:
                 raise TimeoutError(
