@@ -4,8 +4,9 @@ A worker holds nothing a restart cannot rebuild, so a death costs a restart, not
 `inference.max_restarts` restarts per worker within any `inference.restart_window_s` seconds, each after a back-off
 (`inference.restart_backoff_s`, doubling with every restart of that worker in the window, up to BACKOFF_CAP_S). A worker
 that dies again the same way (same exit code, same last line of its log, numbers aside: task ids, pids and counts
-differ between lives) without having done any work since it was started (no heartbeat of its own: a worker writes one with each batch it publishes, a follower once it joined its
-leader) crashes at every start: restarting it again would only spin, so it is not, whatever budget is left.
+differ between lives) without having done any work since it was started (no heartbeat of its own: a worker writes one
+with each batch it publishes, a follower once it joined its leader) crashes at every start: restarting it again would
+only spin, so it is not, whatever budget is left.
 `inference.max_restarts=0`: the first death ends the run.
 
 The local launcher (rlhpc.cluster.local_launcher) asks `decide`; inside a Slurm job the task loop of
