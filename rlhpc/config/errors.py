@@ -22,22 +22,27 @@ def one_line(e: BaseException) -> str:
 def composition_error(overrides: List[str], typed: Callable[[Any], Any] = config_mod.to_typed) -> Optional[str]:
     """Composes the config as a command's `main` will (`typed`: its schema's merge; rlhpc.eval adds keys), to report
     a wrong key, value or type as one line naming the key (Hydra's own report spans lines and suggests a stack
-    trace). None when it composes, or when the arguments hold Hydra flags (-m, --cfg, ...), which Hydra handles
-    itself."""
+    trace). None when it composes, or when the arguments hold Hydra flags (-m, --cfg, --config-dir, ...), which Hydra
+    handles itself. Of the `hydra.` overrides only `hydra.searchpath` (config folders of the user's) changes what
+    composes, so only it is kept."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     if any(a.startswith("-") for a in overrides):
         return None
+    kept = [o for o in overrides if _searchpath(o) or not o.startswith(("hydra.", "hydra/"))]
     try:
         with initialize_config_dir(config_dir=str(config_mod.CONF_DIR), version_base=None):
-            typed(compose(config_name="config",
-                          overrides=[o for o in overrides if not o.startswith(("hydra.", "hydra/"))]))
+            typed(compose(config_name="config", overrides=kept))
     except Exception as e:  # noqa: BLE001 - any composition error becomes its one-line report
         return config_key_error(e, dry_run=_asks_dry_run(overrides))
     finally:
         GlobalHydra.instance().clear()
     return None
+
+
+def _searchpath(override: str) -> bool:
+    return override.lstrip("+").partition("=")[0] == "hydra.searchpath"
 
 
 def _asks_dry_run(overrides: List[str]) -> bool:

@@ -19,8 +19,11 @@ from typing import Any, Callable, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-# The Hydra config folder (conf/ beside the package; RLHPC_CONF_DIR points elsewhere).
-CONF_DIR = Path(os.environ.get("RLHPC_CONF_DIR", Path(__file__).resolve().parents[2] / "conf"))
+from rlhpc.config import shipped
+
+# The Hydra config folder: the repository's conf/, or its copy in an installed wheel (rlhpc.config.shipped);
+# RLHPC_CONF_DIR replaces it. Folders of your own add to it: `--config-dir DIR` or `hydra.searchpath=[file://DIR]`.
+CONF_DIR = Path(os.environ.get("RLHPC_CONF_DIR") or shipped.folder("conf"))
 
 
 @dataclass

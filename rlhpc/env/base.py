@@ -16,7 +16,8 @@ docs/environments.md has a worked example of each kind.
 Where the methods run: `tasks`, `messages`, `tools` in the inference worker; `start`, `respond`, `score`, `finish`
 in a pool of processes beside generation (rlhpc.env.pool), each call with a timeout, each process with its own
 instance built from the same `env` config. An environment lives in `envs/<name>.py` (one class deriving from
-`Environment`) or anywhere importable (`env.cls=package.module:Class`); its constructor takes `env.args`.
+`Environment`; `env.name=<name>`), in `<name>.py` of a folder of your own listed in $RLHPC_ENVS_DIR (searched first,
+folders separated by `:`), or anywhere importable (`env.cls=package.module:Class`); its constructor takes `env.args`.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Union
 
+from rlhpc.config import shipped
 from rlhpc.config.schema import EnvConfig
 
-ENVS_DIR = Path(os.environ.get("RLHPC_ENVS_DIR", Path(__file__).resolve().parents[2] / "envs"))
+# The shipped environments: the repository's envs/, or its copy in an installed wheel (rlhpc.config.shipped).
+ENVS_DIR = shipped.folder("envs")
 
 Message = Dict[str, Any]
 
@@ -113,12 +116,22 @@ class Environment(ABC):
         raise NotImplementedError(f"environment {self.name} has no reference answers, so it cannot be used for SFT")
 
 
+def env_dirs() -> List[Path]:
+    """Where `env.name` is looked up, in order: the folders of $RLHPC_ENVS_DIR (yours), then the shipped envs/."""
+    own = [Path(p).expanduser() for p in os.environ.get("RLHPC_ENVS_DIR", "").split(os.pathsep) if p]
+    return [*own, ENVS_DIR]
+
+
 def env_module(name: str) -> Any:
-    """The module of `envs/<name>.py`, loaded once per process (an environment may build on another's module)."""
-    path = ENVS_DIR / f"{name}.py"
-    if not path.exists():
-        known = sorted(p.stem for p in ENVS_DIR.glob("*.py") if not p.stem.startswith("_"))
-        raise ValueError(f"config key `env.name`: no environment {name!r} in {ENVS_DIR} (known: {', '.join(known)})")
+    """The module of `<name>.py` in the first folder of `env_dirs()` that has one, loaded once per process (an
+    environment may build on another's module)."""
+    dirs = env_dirs()
+    path = next((d / f"{name}.py" for d in dirs if (d / f"{name}.py").is_file()), None)
+    if path is None:
+        known = sorted({p.stem for d in dirs for p in d.glob("*.py") if not p.stem.startswith("_")})
+        where = ", ".join(map(str, dirs))
+        raise ValueError(f"config key `env.name`: no environment {name!r} in {where} (known: {', '.join(known)}); "
+                         f"add a folder of your own to RLHPC_ENVS_DIR, or name a class with env.cls=module:Class")
     module_name = f"rlhpc_envs.{name}"
     module = sys.modules.get(module_name)
     if module is None:
