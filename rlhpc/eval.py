@@ -213,6 +213,7 @@ def report(tasks: Sequence[Any], sampled: List[List[Any]], greedy: List[List[Any
 def evaluate(cfg: EvalCommandConfig) -> Dict[str, Any]:
     import httpx
 
+    from rlhpc.config.errors import one_line
     from rlhpc.preflight import checks as preflight
 
     e = cfg.eval

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import io
 import importlib
 import subprocess
 import sys
@@ -249,3 +250,25 @@ def test_a_planted_launcher_import_is_found():
 def test_no_module_of_the_package_uses_unittest_mock():
     users = [str(p) for p in PKG.rglob("*.py") if "unittest" in p.read_text()]
     assert not users, users
+
+
+def test_no_module_uses_a_name_nothing_defines():
+    """A function that uses a name no import or assignment defines fails only when that line runs (a moved helper
+    once broke the evaluation's error path this way): pyflakes finds every such name in the package, the tests and
+    the benchmarks."""
+    api = pytest.importorskip("pyflakes.api", reason="pip install -e '.[test]'")
+    from pyflakes import messages
+    from pyflakes.reporter import Reporter
+
+    class Undefined(Reporter):
+        def __init__(self):
+            super().__init__(io.StringIO(), io.StringIO())
+            self.found = []
+
+        def flake(self, message):
+            if isinstance(message, (messages.UndefinedName, messages.UndefinedLocal, messages.UndefinedExport)):
+                self.found.append(str(message))
+
+    reporter = Undefined()
+    api.checkRecursive([str(PKG), str(PKG.parent / "tests"), str(PKG.parent / "benchmarks")], reporter)
+    assert reporter.found == []
