@@ -16,7 +16,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from rlhpc.algo import loss
+from rlhpc.algo import checks, loss
 from rlhpc.algo.loss import LossInputs
 from rlhpc.config import schema as config_mod
 from rlhpc.config.schema import AlgoConfig, ConfigError, to_typed
@@ -353,8 +353,6 @@ def test_an_unknown_loss_names_the_key_and_the_known_losses():
 
 
 def test_the_launchers_torch_free_list_of_losses_is_the_registered_one():
-    from rlhpc.algo import checks
-
     assert list(checks.LOSSES) == loss.names()
 
 
@@ -383,7 +381,7 @@ def test_an_unknown_correction_level_names_the_key():
 
 def test_correction_bounds_that_leave_no_range_name_the_key():
     with pytest.raises(ConfigError, match="algo.is_low"):
-        loss.check(algo(is_level="token", is_low=2.0, is_high=1.5))
+        checks.loss_keys(algo(is_level="token", is_low=2.0, is_high=1.5))
 
 
 # ---- TRL's GRPOTrainer loss on identical inputs ----------------------------------------------------------------------

@@ -12,9 +12,6 @@ import torch
 from rlhpc.algo import checks
 from rlhpc.config.schema import AlgoConfig
 
-BASELINES = checks.BASELINES
-
-
 def shaped_rewards(
     rewards: torch.Tensor, completion_tokens: torch.Tensor, cfg: AlgoConfig, max_tokens: int
 ) -> torch.Tensor:
@@ -39,7 +36,7 @@ def group_advantages(
     The shaped reward minus the group mean (`algo.baseline=mean`) or minus the mean of the other G-1 completions
     (`loo`, RLOO), divided by the group's reward std when `algo.std_normalize`.
     """
-    check(cfg)
+    checks.advantage_keys(cfg)
     r = shaped_rewards(rewards, completion_tokens, cfg, max_tokens)
     g = r.numel()
     baseline = r.mean() if cfg.baseline == "mean" else (r.sum() - r) / (g - 1)
@@ -54,5 +51,3 @@ def keep_group(rewards: torch.Tensor, cfg: AlgoConfig) -> bool:
     advantages are zero (all solved or all failed); always True when dynamic sampling is off."""
     return not cfg.dynamic_sampling or bool(rewards.max() > rewards.min())
 
-
-check = checks.advantage_keys

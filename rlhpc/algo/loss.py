@@ -47,7 +47,6 @@ class LossOutputs:
 LossFn = Callable[[LossInputs, AlgoConfig], LossOutputs]
 _REGISTRY: Dict[str, LossFn] = {}
 
-NORMALIZE, IS_LEVELS, IS_MODES = checks.NORMALIZE, checks.IS_LEVELS, checks.IS_MODES
 
 
 def register(*names: str) -> Callable[[LossFn], LossFn]:
@@ -214,7 +213,7 @@ def objective(loss_fn: LossFn, x: LossInputs, cfg: AlgoConfig) -> LossOutputs:
     "proximal" policy of decoupled PPO; as in TRL's and verl's rollout correction): the weight carries pi/mu, and it
     must not be counted twice. Clipping then bounds nothing within a step (the ratio is 1), the weight does.
     """
-    check(cfg)
+    checks.loss_keys(cfg)
     if cfg.ref_kl_coef > 0 and x.reference_logprobs is None:
         raise ValueError(
             "config key `algo.ref_kl_coef` > 0 needs reference logprobs (LossInputs.reference_logprobs), which the "
@@ -265,7 +264,5 @@ def token_weights(
         return 1.0 / (per_sample[x.sample_index] * total_samples)
     if normalize == "constant":
         return torch.full((x.sample_index.numel(),), 1.0 / (total_samples * max_tokens), dtype=dtype, device=device)
-    raise ValueError(f"config key `algo.normalize`: {normalize!r} is not one of {', '.join(NORMALIZE)}")
+    raise ValueError(f"config key `algo.normalize`: {normalize!r} is not one of {', '.join(checks.NORMALIZE)}")
 
-
-check = checks.loss_keys
