@@ -4,6 +4,7 @@ exported as a Hugging Face folder. With FSDP2 every rank takes part in the strea
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -16,9 +17,11 @@ from rlhpc.config.schema import Config
 from rlhpc.modeling.dtypes import dtype_of
 from rlhpc.modeling.names import CheckpointNames, checkpoint_layout, state_tensors
 from rlhpc.run.identity import Identity
-from rlhpc.run.rundir import RunDir
+from rlhpc.run.rundir import RunDir, read_json, write_json
 from rlhpc.train.export import write_hf_folder, write_safetensors_stream
 from rlhpc.transport.weights import BroadcastSender, FilesystemSender, WeightsSender, write_snapshot
+
+log = logging.getLogger(__name__)
 
 
 def serving_dtype(cfg: Config) -> torch.dtype:
@@ -123,6 +126,10 @@ class Publisher:
         self.cfg, self.ident, self.run = cfg, ident, run
         self.is_main, self.world = ident.rank == 0, ident.size
         self.sender: Optional[WeightsSender] = None
+        self.version: Optional[int] = None  # the newest version published (None: the workers' run_dir/model, v0)
+        self.resends = 0  # versions sent again to workers that joined after them (see `admit`)
+        # Rank 0 announces each resend here; with FSDP the other ranks join its collective stream at their next look.
+        self.resend_file = run.rendezvous / f"resend-{ident.attempt}.json"
 
     def start(self) -> None:
         """Rank 0, before the first version it publishes."""
@@ -136,14 +143,40 @@ class Publisher:
         return BroadcastSender(self.run, self.cfg.inference.num_workers, w.bucket_mb, w.timeout_s, self.ident.attempt,
                                host=self.ident.master_addr, member_timeout_s=w.member_timeout_s)
 
-    def admit(self) -> None:
-        """Rank 0 waiting for rollouts: lets restarted workers join the weights group meanwhile (WeightsSender.admit)."""
-        if self.sender is not None:
-            self.sender.admit()
+    def admit(self, model: torch.nn.Module) -> None:
+        """Every rank, between two looks at the queue while it waits for rollouts. Rank 0 lets restarted or attached
+        workers join the weights group (WeightsSender.admit) and sends the newest version again at once to those that
+        joined: a run whose only worker restarted would otherwise wait for ever, its worker for weights newer than it
+        has, the trainer for that worker's rollouts. With FSDP the stream is collective: rank 0 announces the resend in
+        run_dir/rendezvous first, and the other ranks join it at their next look (they wait for the same claim)."""
+        if self.is_main:
+            if self.sender is None or not self.sender.admit() or self.version is None:
+                return
+            self.resends += 1
+            if self.world > 1:
+                write_json(self.resend_file, {"resend": self.resends, "version": self.version}, durable=False)
+            log.info("weights: version %d sent again, to the worker(s) that joined since", self.version)
+            self.publish(model, self.version, resend=True)
+            return
+        if self.world > 1 and self.cfg.weights.transport == "broadcast":
+            said = read_json(self.resend_file) if self.resend_file.exists() else None
+            if said and said["resend"] > self.resends:
+                self.resends = said["resend"]
+                self.publish(model, said["version"], resend=True)
 
-    def publish(self, model: torch.nn.Module, version: int) -> None:
-        """Collective with FSDP: every rank takes part in the stream; rank 0 sends it (and snapshots it when due)."""
+    def publish(self, model: torch.nn.Module, version: int, resend: bool = False) -> None:
+        """Collective with FSDP: every rank takes part in the stream; rank 0 sends it (and snapshots it when due).
+        `resend`: a version published before, sent again (no snapshot)."""
         serving = serving_dtype(self.cfg)
+        self.version = version
+        if resend:
+            stream = full_state(model, serving)
+            if self.is_main:
+                self.sender.publish(version, stream, layout=checkpoint_layout(model, serving))
+            else:
+                for _ in stream:
+                    pass
+            return
         if self.cfg.weights.transport == "broadcast" and version == self.cfg.trainer.steps:
             self.final_snapshot(model, version, serving)
         stream = full_state(model, serving)

@@ -122,7 +122,7 @@ class Trainer:
                 return self.stop(step)
             try:
                 self.lend(True)  # waiting for rollouts: the workers may use this rank's threads
-                claim = self.claims.claim(step, while_waiting=self.publisher.admit)
+                claim = self.claims.claim(step, while_waiting=lambda: self.publisher.admit(self.model))
             except Stop:
                 return self.stop(step)
             finally:

@@ -56,9 +56,11 @@ class WeightsSender(ABC):
         """Sends weights `version`; returns the bytes sent. `layout` ((name, shape, dtype) of the stream, in order)
         lets a streaming sender fix its buckets without holding the stream."""
 
-    def admit(self) -> None:
+    def admit(self) -> List[int]:
         """Between updates (the trainer waiting for rollouts): answers workers asking to join, so that a restarted
-        worker need not wait for an update that only its own rollouts would bring."""
+        worker need not wait for an update that only its own rollouts would bring. Returns the member ids admitted
+        now: they are in the next update's epoch, and hold no current weights until it comes."""
+        return []
 
     def close(self) -> None:
         """After the last version: nothing more will be sent."""
@@ -285,9 +287,11 @@ class BroadcastSender(WeightsSender):
 
     # -- membership --
 
-    def admit(self) -> None:
+    def admit(self) -> List[int]:
         # They read from the next message, the call of the epoch that the next update forms with them.
-        self.admitted.update(self._read_claims(set(), start=self.next_msg))
+        admitted = self._read_claims(set(), start=self.next_msg)
+        self.admitted.update(admitted)
+        return admitted
 
     def _read_claims(self, forming: set, start: int) -> List[int]:
         """Reads the join claims waiting; answers each; returns the member ids admitted. `forming`: ids already
