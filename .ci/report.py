@@ -3,7 +3,8 @@
     python .ci/report.py NAME=RECORD.jsonl [NAME=RECORD.jsonl ...]
 
 Each RECORD is what tests/conftest.py appends under RLHPC_TEST_RECORD: one JSON line per test with its id, outcome,
-seconds (setup, call and teardown together) and the CPU seconds of the processes it waited for. docs/testing.md
+seconds (setup, call and teardown together), the CPU seconds of the processes it waited for, and the end of its
+failure's report if it failed. docs/testing.md
 explains the tiers these numbers belong to.
 """
 
@@ -32,6 +33,10 @@ def main(args):
         cpu = r.get("cpu_seconds")
         cpu = f"{cpu:7.1f}" if cpu is not None else "      ?"
         print(f"  {r['seconds']:7.1f} s {cpu} cpu  {r['phase']:<8} {r['outcome']:<7} {r['id']}")
+    for r in rows:  # the end of each failure's report: a run cut short by CI's time limit prints no pytest summary
+        if r.get("failure"):
+            print(f"== failed: {r['id']} ({r['phase']})")
+            print("\n".join("    " + line for line in r["failure"].splitlines()[-25:]))
 
 
 if __name__ == "__main__":

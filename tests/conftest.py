@@ -77,6 +77,7 @@ def pytest_collection_modifyitems(config, items):
 
 _seconds = defaultdict(float)  # test id -> setup + call + teardown
 _outcome = {}  # test id -> "failed" | "skipped" (absent: passed)
+_failure = {}  # test id -> the end of its failure's report (a CI run cut short never prints pytest's own summary)
 _cpu_start = {}  # test id -> CPU seconds of this process and its waited-for children when the test started
 
 
@@ -93,6 +94,7 @@ def pytest_runtest_logreport(report):
     _seconds[report.nodeid] += report.duration
     if report.failed:
         _outcome[report.nodeid] = "failed"
+        _failure[report.nodeid] = report.longreprtext[-2000:]
     elif report.skipped and _outcome.get(report.nodeid) != "failed":
         _outcome[report.nodeid] = "skipped"
 
@@ -106,7 +108,8 @@ def pytest_runtest_logfinish(nodeid, location):
                                 "seconds": round(_seconds[nodeid], 3),
                                 # CPU time of the processes the test waited for (a process it left running is not
                                 # counted): over the seconds, how much of the machine the test kept busy.
-                                "cpu_seconds": round(_cpu_seconds() - _cpu_start.pop(nodeid, 0.0), 3)}) + "\n")
+                                "cpu_seconds": round(_cpu_seconds() - _cpu_start.pop(nodeid, 0.0), 3),
+                                **({"failure": _failure[nodeid]} if nodeid in _failure else {})}) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -59,3 +59,17 @@ def test_ci_runs_every_test_once_over_its_two_phases(tmp_path):
     proc = _pytest(tmp_path, "--slow", env={**env, "RLHPC_TEST_DONE": str(first), "RLHPC_TEST_RECORD": str(second)})
     assert "1 passed, 1 deselected" in proc.stdout
     assert [r["id"] for r in map(json.loads, second.read_text().splitlines())] == ["test_tiers.py::test_end_to_end"]
+
+
+def test_a_failure_is_recorded_and_the_budget_report_prints_it(tmp_path):
+    """CI's time limit can cut pytest short before it prints its summary: the record keeps each failure's end, and the
+    report that runs at CI's exit prints it."""
+    record = tmp_path / "record.jsonl"
+    (tmp_path / "test_failing.py").write_text("def test_fails():\n    assert 1 + 1 == 3, 'arithmetic broke'\n")
+    _pytest(tmp_path, "test_failing.py", env={**os.environ, "RLHPC_TEST_RECORD": str(record)})
+    (row,) = map(json.loads, record.read_text().splitlines())
+    assert row["outcome"] == "failed" and "arithmetic broke" in row["failure"]
+    report = subprocess.run([sys.executable, str(REPO / ".ci" / "report.py"), f"rest={record}"],
+                            capture_output=True, text=True, timeout=60)
+    assert "== failed: test_failing.py::test_fails (rest)" in report.stdout
+    assert "AssertionError: arithmetic broke" in report.stdout
