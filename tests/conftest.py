@@ -16,6 +16,7 @@ import os
 import resource
 import signal
 import subprocess
+import tempfile
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -44,6 +45,10 @@ def pytest_configure(config):
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
     global _config
     _config = config
+    # What rlhpc remembers between launches (models checked and planned, rlhpc/modeling/remembered.py) goes to a
+    # folder of this test run, not the user's ~/.cache: each run starts without it, as on a fresh machine.
+    if "RLHPC_CACHE_DIR" not in os.environ:
+        os.environ["RLHPC_CACHE_DIR"] = tempfile.mkdtemp(prefix="rlhpc-test-cache-")
     # Rank processes of the trainer-math tests start from a fork server that has imported torch, transformers and the
     # trainer once (tests/test_trainer_math.py CTX): seconds of imports saved per process, hundreds per run.
     multiprocessing.set_forkserver_preload(["torch", "transformers", "rlhpc.train.trainer", "rlhpc.train.optim",

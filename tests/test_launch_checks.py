@@ -187,6 +187,43 @@ def test_a_model_path_needs_whole_weights(tmp_path, model_dir):
     refused_in_one_line(proc, f"error: config key `model.path`: {truncated / 'model.safetensors'}: not a whole", tmp_path)
 
 
+def test_a_model_that_passed_its_checks_is_not_checked_again_until_it_changes(tmp_path, model_dir, monkeypatch):
+    """The launcher remembers the models that passed its checks (rlhpc/modeling/remembered.py): a launch of the same
+    model skips importing transformers and building it. A changed key or a changed file is checked again: a checkpoint
+    damaged since the last launch is refused."""
+    import shutil
+
+    monkeypatch.setenv("RLHPC_CACHE_DIR", str(tmp_path / "cache"))
+    checked = []
+    real = preflight._check_model
+    monkeypatch.setattr(preflight, "_check_model", lambda cfg, trainer: (checked.append(cfg.model), real(cfg, trainer)))
+    built = cfg_of(tmp_path, model={"hidden_size": 32, "intermediate_size": 64, "num_layers": 1})
+    preflight.check_model(built)
+    preflight.check_model(built)
+    assert len(checked) == 1
+    preflight.check_model(cfg_of(tmp_path, model={"hidden_size": 32, "intermediate_size": 64, "num_layers": 2}))
+    assert len(checked) == 2  # another model
+    copy = Path(shutil.copytree(model_dir, tmp_path / "copy"))
+    preflight.check_model(cfg_of(tmp_path, model={"path": str(copy)}))
+    preflight.check_model(cfg_of(tmp_path, model={"path": str(copy)}))
+    assert len(checked) == 3
+    data = (copy / "model.safetensors").read_bytes()
+    (copy / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(ConfigError, match=r"copy/model.safetensors: not a whole safetensors file"):
+        preflight.check_model(cfg_of(tmp_path, model={"path": str(copy)}))
+    # As a user meets it: the second dry run of a model imports no transformers at all (the memory plan's shape is
+    # remembered too), and prints the same plan.
+    env = dict(os.environ, RLHPC_CACHE_DIR=str(tmp_path / "cache2"))
+    runs = [subprocess.run([sys.executable, "-X", "importtime", "-m", "rlhpc.launch", "+exp=reverse_text",
+                            f"run_dir={tmp_path / 'run'}", "dry_run=true"], capture_output=True, text=True,
+                           timeout=120, cwd=tmp_path, env=env) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-2000:]
+    imported = [{line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time")}
+                for r in runs]
+    assert "transformers" in imported[0] and "transformers" not in imported[1] and "torch" not in imported[1]
+    assert runs[0].stdout == runs[1].stdout
+
+
 def test_a_turn_must_fit_in_the_models_context(tmp_path, model_dir):
     """env=math asks for 512 new tokens; the model built in code holds 256: refused before anything starts, naming
     both keys (it used to run and score 0, with a warning in the workers' logs only)."""

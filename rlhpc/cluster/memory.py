@@ -79,10 +79,51 @@ REFERENCE_SHAPES: Dict[str, Tuple[str, Dict[str, Any]]] = {
 # ---- the model's shape -----------------------------------------------------------------------------------------------
 
 
-def model_shape(cfg) -> Tuple[Optional[Any], str]:
-    """(the Hugging Face config of `cfg.model`, where it came from); (None, why) when it cannot be known here.
-    model.path readable here: its config.json; no model.path: the tiny model rlhpc builds in code; otherwise the
-    published shape of the preset (REFERENCE_SHAPES)."""
+# What this module reads of a model's Hugging Face config (None where the config has no such setting).
+SHAPE_KEYS = ("attention_bias", "decoder_sparse_step", "first_k_dense_replace", "head_dim", "hidden_size",
+              "index_head_dim", "index_n_heads", "index_topk", "intermediate_size", "kv_lora_rank", "mlp_layer_types",
+              "mlp_only_layers", "model_type", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
+              "num_attention_heads", "num_experts", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
+              "num_local_experts", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "tie_word_embeddings",
+              "v_head_dim", "vocab_size")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The settings of a model's config that the plan reads (SHAPE_KEYS), as plain values: learned once per model
+    and remembered (rlhpc/modeling/remembered.py), so that a launch of a model planned before imports no
+    transformers."""
+
+    settings: Dict[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in SHAPE_KEYS:
+            raise AttributeError(f"{name} is not among memory.SHAPE_KEYS")
+        return self.settings.get(name)
+
+    @classmethod
+    def of(cls, hf) -> "Shape":
+        values = {k: getattr(hf, k, None) for k in SHAPE_KEYS}
+        return cls({k: list(v) if isinstance(v, tuple) else v for k, v in values.items() if v is not None})
+
+
+def model_shape(cfg) -> Tuple[Optional[Shape], str]:
+    """(the shape of `cfg.model`, where it came from); (None, why) when it cannot be known here. model.path readable
+    here: its config.json; no model.path: the tiny model rlhpc builds in code; otherwise the published shape of the
+    preset (REFERENCE_SHAPES). Remembered per model (rlhpc/modeling/remembered.py)."""
+    from rlhpc.modeling import remembered
+
+    k = remembered.key(cfg.model, [Path(__file__)])
+    known = remembered.recall("model-shapes", k)
+    if known is not None:
+        return (Shape(known["settings"]) if known["settings"] is not None else None), known["source"]
+    hf, source = _hf_config(cfg)
+    shape = Shape.of(hf) if hf is not None else None
+    remembered.remember("model-shapes", k, {"settings": shape.settings if shape else None, "source": source})
+    return shape, source
+
+
+def _hf_config(cfg) -> Tuple[Optional[Any], str]:
     from transformers import AutoConfig
 
     m = cfg.model

@@ -42,6 +42,17 @@ def check_model(cfg: Config, trainer: bool = True) -> None:
     if path and not Path(path).is_dir():  # said before transformers is imported (~2.5 s)
         raise ConfigError(f"config key `model.path`: {path} is not a folder (a local Hugging Face checkpoint: "
                           f"config.json, tokenizer files, *.safetensors)")
+    from rlhpc.modeling import remembered
+
+    k = remembered.key(cfg.model, [Path(__file__)], trainer=trainer)
+    if remembered.recall("checked-models", k):  # the same model, files and code passed before (rlhpc/modeling/
+        return                                  # remembered.py): no transformers import, no model built
+    _check_model(cfg, trainer)
+    remembered.remember("checked-models", k, True)
+
+
+def _check_model(cfg: Config, trainer: bool) -> None:
+    path = cfg.model.path
     from rlhpc.modeling import models
 
     if not path:
