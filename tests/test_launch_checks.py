@@ -232,7 +232,8 @@ def test_a_turn_must_fit_in_the_models_context(tmp_path, model_dir):
         "model.max_position_embeddings (256); set model.max_position_embeddings=1024"), tmp_path)
     # A checkpoint's context is its own: the refusal says what can change.
     with pytest.raises(ConfigError, match=r"^config key `env.max_new_tokens`: 300 new tokens .* the context of "
-                                          r"model.path's config \(256 tokens\); lower env.max_new_tokens or use a "
+                                          r"model.path's config \(256 tokens\); lower env.max_new_tokens "
+                                          r"\(env.max_new_tokens=128 leaves half the context to the prompt\) or use a "
                                           r"model with a longer context$"):
         preflight.check_context(cfg_of(tmp_path, model={"path": str(model_dir)}, env={"max_new_tokens": 300}))
     with pytest.raises(ConfigError, match=r"within inference.max_model_len \(100\)"):

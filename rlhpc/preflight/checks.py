@@ -173,8 +173,9 @@ def longer_context(cfg: Config) -> str:
     own = model_context(cfg) or 0
     overrides = []
     if own < fits:
-        if cfg.model.path:
-            return "lower env.max_new_tokens or use a model with a longer context"
+        if cfg.model.path:  # half the context for the completion leaves the other half to the prompt
+            return (f"lower env.max_new_tokens (env.max_new_tokens={max(own // 2, 1)} leaves half the context to the "
+                    f"prompt) or use a model with a longer context")
         overrides.append(f"model.max_position_embeddings={fits}")
     if cfg.inference.engine == "vllm" and 0 < cfg.inference.max_model_len < fits:
         overrides.append(f"inference.max_model_len={fits}")
