@@ -2,8 +2,10 @@
 
 The config is composed by Hydra on top of the typed schema (rlhpc.config.schema), so a wrong key or type fails here,
 before any process starts; then the model, the environment and the loss are checked (rlhpc.preflight.checks). Every
-such error is one line that names the config key. The launcher (`launcher=local|slurm|sbatch`) then starts the same
-role entry point everywhere.
+such error is one line that names the config key. A model that passed its checks before (the same keys, files, library
+versions and rlhpc code) is not built again to check it: that is remembered in $RLHPC_CACHE_DIR (default
+~/.cache/rlhpc; deleting it only costs the next launch the check). The launcher (`launcher=local|slurm|sbatch`) then
+starts the same role entry point everywhere.
 """
 
 from __future__ import annotations
