@@ -125,7 +125,7 @@ ALLOWED: Dict[str, Set[str]] = {
     "infer": {"config", "patches", "modeling", "run", "algo", "transport", "env"},
     "train": {"config", "patches", "modeling", "run", "algo", "transport", "env"},
     "preflight": {"config", "modeling", "run", "algo", "env", "infer", "train"},
-    "cluster": {"config", "modeling", "run", "preflight"},
+    "cluster": {"config", "patches", "modeling", "run", "preflight"},
     "top": {"config", "patches", "modeling", "run", "algo", "transport", "env", "infer", "train", "preflight",
             "cluster"},
 }

@@ -30,6 +30,7 @@ from hydra.experimental.callback import Callback
 from rlhpc.cluster.hetjob import JobPlan, describe, make_plan, python_problem, render_script
 from rlhpc.config.disaggregation import describe as disagg_describe
 from rlhpc.config.schema import Config
+from rlhpc.patches import registry
 from rlhpc.run import slurm_jobs
 from rlhpc.run.procs import tail
 from rlhpc.run.rundir import RunDir, out_of_space_advice, read_json, space_problem
@@ -244,6 +245,7 @@ class HetJobExecutor(submitit.SlurmExecutor):
     """submitit's Slurm executor, taught one thing: submit a finished heterogeneous-job script as it is."""
 
     def __init__(self, folder: Path, script: str, num_tasks: int):
+        registry.check("submitit_hetjob_script")  # its private methods, overridden and called below
         super().__init__(folder)
         self.script, self.num_tasks = script, num_tasks
 
