@@ -266,6 +266,8 @@ class SlurmAttach:
                            requeue=False)
 
     def plan(self) -> str:
+        from rlhpc.cluster.hetjob import start_lines
+
         g, c = self.job.groups[0], self.a.cfg
         return "\n".join([
             f"launcher=slurm +attach=inference: one Slurm job `{self.job.name}` of inference workers only",
@@ -275,13 +277,14 @@ class SlurmAttach:
             f"{g.time_min} min",
             f"  ranks: allocated at submission, from {self.a.first_rank} (the first free under rendezvous/attach/)",
             f"  weights: {c.weights.transport}; restarts per worker: {c.inference.max_restarts}; no requeue",
+            *start_lines(self.job, ATTACH_STEP),
             "",
             "----- job script -----",
             self.script(["<ranks>"]),
         ])
 
     def script(self, ranks: List[object]) -> str:
-        from rlhpc.cluster.hetjob import _TASK, _component_lines, _sbatch, run_dir_line
+        from rlhpc.cluster.hetjob import _component_lines, _sbatch, run_dir_line, srun_line
 
         plan, g, folder = self.job, self.job.groups[0], self.a.folder
         header = [
@@ -308,7 +311,7 @@ class SlurmAttach:
         if plan.setup:
             env += ["", "# cluster.setup"] + list(plan.setup)
         env += ["", "set -u"]
-        return "\n".join(header + env) + "\n" + _ATTACH_BODY.replace("__TASK__", _TASK)
+        return "\n".join(header + env) + "\n" + _ATTACH_BODY.replace("__SRUN__", srun_line(plan, ATTACH_STEP))
 
     def start(self, ranks: List[int]) -> int:
         from rlhpc.cluster.slurm_launcher import HetJobExecutor
@@ -364,6 +367,9 @@ def _sacct_state(job_id: str) -> str:
     return (out.split() or [""])[0]
 
 
+# srun's options of the step that starts the attached workers' tasks (one failing worker does not end the others).
+ATTACH_STEP = ["--kill-on-bad-exit=0", "--unbuffered"]
+
 # The job's batch shell: start every worker's task loop (hetjob's: restarts, exit on status/DONE), pass Slurm's
 # signals on (the time limit's USR1, scancel's TERM: the workers stop), and never touch the run's status markers.
 _ATTACH_BODY = r"""
@@ -380,7 +386,7 @@ forward() {
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
 
-srun --kill-on-bad-exit=0 --unbuffered bash -c '__TASK__' &
+__SRUN__ &
 srun_pid=$!
 rc=0
 while true; do

@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from rlhpc.config.schema import Config, ConfigError, SlurmGroupConfig
+from rlhpc.cluster import container
+from rlhpc.config.schema import Config, ConfigError, ContainerConfig, SlurmGroupConfig
 from rlhpc.run.slurm_identity import ROLES
+
 
 @dataclass
 class GroupPlan:
@@ -60,6 +62,8 @@ class JobPlan:
     restart_window_s: int = 3600  # inference.restart_window_s, in whole seconds (the task loop counts in bash)
     restart_backoff_s: float = 1.0  # inference.restart_backoff_s
     nodes_per_instance: int = 1  # inference.nodes_per_instance: the tasks (one a node) of each inference worker
+    srun_args: List[str] = field(default_factory=list)  # cluster.srun_args: more options of the srun line
+    container: ContainerConfig = field(default_factory=ContainerConfig)  # cluster.container
 
     @property
     def trainer(self) -> GroupPlan:
@@ -164,12 +168,15 @@ def make_plan(cfg: Config) -> JobPlan:
         partition=c.partition, account=c.account, qos=c.qos,
         grace_s=c.grace_s,
         requeue=c.requeue,
-        python=c.python or sys.executable,
+        # In a container the tasks run the image's Python, not the launcher's.
+        python=c.python or ("python3" if c.container.runtime else sys.executable),
         setup=list(c.setup),
         max_restarts=cfg.inference.max_restarts,
         restart_window_s=math.ceil(cfg.inference.restart_window_s),
         restart_backoff_s=cfg.inference.restart_backoff_s,
         nodes_per_instance=cfg.inference.nodes_per_instance,
+        srun_args=list(c.srun_args),
+        container=c.container,
     )
 
 
@@ -178,10 +185,10 @@ def python_problem(plan: JobPlan) -> Optional[str]:
     nodes share its filesystem, as they share run_dir); None when it runs, or cannot be judged here. Told at launch,
     not after the job waited in the queue for its nodes: a path that does not exist, a file that is not executable,
     a Python without rlhpc. With `cluster.setup` lines only the path is checked (they may set what it imports), and
-    a bare name that only they put on PATH is not judged."""
+    a bare name that only they put on PATH is not judged, nor a Python inside cluster.container's image."""
     python = plan.python
-    if python == sys.executable:
-        return None  # the launcher's own (cluster.python="")
+    if python == sys.executable or plan.container.runtime:
+        return None  # the launcher's own (cluster.python=""), or the image's (describe says so)
     key = f"config key `cluster.python`: {python}"
     if os.sep not in python:
         if plan.setup:
@@ -316,7 +323,7 @@ forward() {
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
 
-srun --het-group=0,1 --kill-on-bad-exit=1 --unbuffered bash -c '__TASK__' &
+__SRUN__ &
 srun_pid=$!
 rc=0
 while true; do  # a trap ends `wait` early: wait again until srun itself has ended
@@ -360,6 +367,28 @@ elif [[ $rc != 0 ]]; then
 fi
 exit $rc
 """
+
+
+# srun's options of the step that starts every task of both components (a task learns its role from Slurm's
+# variables: rlhpc.run.slurm_identity).
+HET_STEP = ["--het-group=0,1", "--kill-on-bad-exit=1", "--unbuffered"]
+
+
+def srun_line(plan: JobPlan, options: List[str]) -> str:
+    """The srun command that starts every task of the plan's components: rlhpc's `options`, then cluster.srun_args,
+    then cluster.container's (pyxis: srun's own options; Apptainer: `apptainer exec ... IMAGE` before the task),
+    and the task loop, `bash -c '<_TASK>'` (_TASK holds no single quote)."""
+    gpus = any(g.gpus_per_node for g in plan.groups)
+    words = ["srun", *options, *plan.srun_args, *container.srun_options(plan.container, plan.run_dir),
+             *container.command_prefix(plan.container, plan.run_dir, gpus), "bash", "-c"]
+    return " ".join(map(shlex.quote, words)) + f" '{_TASK}'"
+
+
+def start_lines(plan: JobPlan, options: List[str]) -> List[str]:
+    """The dry run's lines on how the tasks start: the srun line (its task loop elided), and the container."""
+    head = srun_line(plan, options).partition(" -c '")[0]
+    return [f"  tasks start with: {head} -c '<task loop>'",
+            *container.describe(plan.container, plan.run_dir, plan.python)]
 
 
 # The line of a job script that names its run directory (render_script, attach.py's script; script_run_dir reads it).
@@ -413,7 +442,7 @@ def render_script(plan: JobPlan, exp_name: str = "") -> str:
     if plan.setup:
         env += ["", "# cluster.setup"] + list(plan.setup)
     env += ["", "set -u"]  # after the setup lines: activation scripts often read unset variables
-    return "\n".join(header + env) + "\n" + _BODY.replace("__TASK__", _TASK)
+    return "\n".join(header + env) + "\n" + _BODY.replace("__SRUN__", srun_line(plan, HET_STEP))
 
 
 # ---- the plan as a user reads it -------------------------------------------------------------------------------
@@ -497,6 +526,7 @@ def describe(plan: JobPlan, cfg: Config, launcher: str) -> str:
         f"groups_per_step={cfg.trainer.groups_per_step}",
         f"  preemption: SIGUSR1 {plan.grace_s}s before the time limit -> checkpoint, "
         + ("requeue" if plan.requeue else "stop (cluster.requeue=false)"),
+        *start_lines(plan, HET_STEP),
         "",
         "----- job script -----",
         render_script(plan, cfg.exp_name),

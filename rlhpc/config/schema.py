@@ -450,6 +450,25 @@ class SlurmGroupConfig:
 
 
 @dataclass
+class ContainerConfig:
+    """The image every role runs in on Slurm (ignored by launcher=local; docs/slurm.md, "Containers"). run_dir is
+    mounted at its own path: the roles write there, and the launcher reads it from outside."""
+
+    # "" (none) | pyxis (NVIDIA's pyxis/enroot: srun --container-image) | apptainer (each task runs under
+    # `apptainer exec`; Singularity too, with exe=singularity).
+    runtime: str = ""
+    # pyxis: a registry image (nvcr.io#nvidia/pytorch:24.05-py3) or a squashfs file; apptainer: a .sif file (or
+    # docker://...). It must have rlhpc installed; cluster.python names its Python ("": python3 on the image's PATH).
+    image: str = ""
+    # More host folders in the container, `src:dst[:flags]` (pyxis --container-mounts, apptainer --bind).
+    mounts: List[str] = field(default_factory=list)
+    # The working directory in the container ("": the runtime's default).
+    workdir: str = ""
+    # apptainer: the program that runs the image (singularity on clusters that have only that; a path works too).
+    exe: str = "apptainer"
+
+
+@dataclass
 class ClusterConfig:
     """Where and how the Slurm launchers run the job (ignored by launcher=local)."""
 
@@ -470,8 +489,12 @@ class ClusterConfig:
     inference: SlurmGroupConfig = field(default_factory=SlurmGroupConfig)
     # Shell lines run in the batch script before the roles start (module load, conda activate, exports).
     setup: List[str] = field(default_factory=list)
-    # The Python on the compute nodes ("": the one running the launcher).
+    # The Python on the compute nodes ("": the one running the launcher; with cluster.container, python3 in the image).
     python: str = ""
+    # More options of every srun line that starts the roles (the job script's, an attach job's), e.g.
+    # [--cpu-bind=cores, --mpi=none]; each is one shell word.
+    srun_args: List[str] = field(default_factory=list)
+    container: ContainerConfig = field(default_factory=ContainerConfig)
     # Requeue the job when the trainer checkpointed on a signal (time limit, `scancel --signal=USR1 --batch`).
     requeue: bool = True
     # Memory of one GPU in GB as sold (H100: 80, H200: 141; the estimate reads it as GiB, which nvidia-smi shows as
@@ -711,6 +734,7 @@ def validate(cfg: Config) -> None:
     need(0.0 <= cfg.env.max_error_fraction <= 1.0, "env.max_error_fraction", "must be in [0, 1]")
     need(cfg.env.sandbox in ("bwrap", "unsandboxed"), "env.sandbox", f"{cfg.env.sandbox!r} is not one of bwrap, unsandboxed")
     _check_sandbox_limits(cfg.env.sandbox_limits)
+    _check_container(cfg.cluster.container)
     need(cfg.launcher.timeout_s >= 0, "launcher.timeout_s", "must be >= 0 seconds (0: no limit)")
     need(cfg.cluster.gpu_memory_gb >= 0, "cluster.gpu_memory_gb", "must be >= 0 (0: no memory check)")
     for check in _CHECKS.values():
@@ -765,6 +789,34 @@ def _check_sandbox_limits(lim: SandboxLimitsConfig) -> None:
     need(lim.processes >= 1, f"{key}.processes", "must be >= 1")
     need(lim.file_size_mb >= 0, f"{key}.file_size_mb", "must be >= 0 (0: no file writes)")
     need(lim.wall_s > 0, f"{key}.wall_s", "must be > 0 seconds")
+
+
+# An image of each runtime, as the messages suggest one.
+_IMAGE_EXAMPLES = {"pyxis": "nvcr.io#nvidia/pytorch:24.05-py3 (a registry image) or /shared/images/rlhpc.sqsh",
+                   "apptainer": "/shared/images/rlhpc.sif"}
+
+
+def _check_container(c: ContainerConfig) -> None:
+    """cluster.container: a runtime rlhpc knows, with an image; mounts and a working directory the runtimes accept."""
+    key = "cluster.container"
+    need(c.runtime in ("", *_IMAGE_EXAMPLES), f"{key}.runtime",
+         f"{c.runtime!r} is not one of: pyxis (srun --container-image, NVIDIA's pyxis/enroot), apptainer (apptainer "
+         "exec; Singularity with cluster.container.exe=singularity), or \"\" for none")
+    if not c.runtime:
+        need(not (c.image or c.mounts or c.workdir), f"{key}.runtime",
+             "is empty (no container), but cluster.container.image, mounts or workdir is set: set "
+             "cluster.container.runtime=pyxis or apptainer to run the roles in that image")
+        return
+    need(bool(c.image.strip()), f"{key}.image",
+         f"cluster.container.runtime={c.runtime} needs an image, e.g. {key}.image={_IMAGE_EXAMPLES[c.runtime]}")
+    for m in c.mounts:
+        need(bool(m) and "," not in m and m.startswith("/"), f"{key}.mounts",
+             f"{m!r} is not one mount: give each as its own item, src:dst[:flags] with an absolute src, e.g. "
+             f"[/shared/data:/data:ro, /scratch]")
+    need(not c.workdir or c.workdir.startswith("/"), f"{key}.workdir",
+         f"{c.workdir!r} must be an absolute path inside the image, e.g. /workspace (or \"\": the runtime's default)")
+    if c.runtime == "apptainer":
+        need(bool(c.exe.strip()), f"{key}.exe", "is empty: give the program, e.g. apptainer or singularity")
 
 
 def _check_instance_nodes(cfg: Config) -> None:
