@@ -121,6 +121,18 @@ def test_the_slurm_dry_run_plans_one_job_of_inference_workers_and_writes_nothing
     assert sorted(p.relative_to(run.root) for p in run.root.rglob("*")) == before
 
 
+def test_an_attach_job_starts_its_workers_with_the_srun_args_and_the_container_of_the_command_line(tmp_path):
+    run = saved_run(tmp_path / "run")
+    proc = attach(run.root, "inference.num_workers=1", "cluster=local", "launcher=slurm", "dry_run=true",
+                  'cluster.srun_args=["--job-name=rlhpc-attached"]', "cluster.container.runtime=apptainer",
+                  "cluster.container.image=/images/rlhpc.sif", "cluster.inference.gpus_per_node=1")
+    assert proc.returncode == 0, proc.stderr
+    srun = next(line for line in proc.stdout.splitlines() if line.startswith("srun "))
+    assert srun.startswith(f"srun --kill-on-bad-exit=0 --unbuffered --job-name=rlhpc-attached apptainer exec --nv "
+                           f"--bind {run.root}:{run.root} /images/rlhpc.sif bash -c 'name=$(")
+    assert "  note: cluster.python=python3 is the Python inside the image" in proc.stdout
+
+
 def test_ending_the_attach_command_ends_its_workers_and_leaves_the_run_alone(tmp_path):
     run = saved_run(tmp_path / "run")  # no trainer: the workers wait for its warm start
     before = run.config.read_text()

@@ -8,9 +8,11 @@ the test ends.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -201,6 +203,86 @@ def test_the_rendered_script_runs_the_role_entry_point_and_owns_signals_and_requ
     assert not (run_dir / "jobs.json").exists()  # written, not submitted
 
 
+# ---- srun options and containers (no cluster needed) ---------------------------------------------------------------
+
+PYXIS = ["cluster.container.runtime=pyxis", "cluster.container.image='nvcr.io#nvidia/pytorch:24.05-py3'",
+         "cluster.container.mounts=[/shared/data:/data:ro]", "cluster.container.workdir=/workspace"]
+APPTAINER = ["cluster.container.runtime=apptainer", "cluster.container.image=/images/rlhpc.sif",
+             "cluster.container.mounts=[/scratch]"]
+
+
+def srun_of(script: str) -> list[str]:
+    """The words of the script's srun line up to the task loop (`bash -c '<task>'`)."""
+    line = next(line for line in script.splitlines() if line.startswith("srun "))
+    return shlex.split(line.partition(" -c '")[0])
+
+
+def test_srun_args_reach_the_srun_line_that_starts_every_role():
+    from rlhpc.cluster.hetjob import make_plan, render_script
+
+    words = srun_of(render_script(make_plan(composed('cluster.srun_args=["--cpu-bind=cores","--comment=a b"]'))))
+    assert words == ["srun", "--het-group=0,1", "--kill-on-bad-exit=1", "--unbuffered", "--cpu-bind=cores",
+                     "--comment=a b", "bash"]
+
+
+def test_a_pyxis_image_starts_every_task_in_it_with_run_dir_mounted_at_its_own_path():
+    from rlhpc.cluster.hetjob import make_plan, render_script
+
+    plan = make_plan(composed(*PYXIS))
+    words = srun_of(render_script(plan))
+    assert words[words.index("--unbuffered") + 1:] == [
+        "--container-image=nvcr.io#nvidia/pytorch:24.05-py3",
+        f"--container-mounts=/shared/data:/data:ro,{plan.run_dir}:{plan.run_dir}",
+        "--container-workdir=/workspace", "bash"]
+    assert "export RLHPC_PYTHON=python3" in render_script(plan)  # the image's Python, not the launcher's
+
+
+@pytest.mark.parametrize("gpus, nv", [("0", []), ("1", ["--nv"])])
+def test_an_apptainer_image_wraps_the_task_and_brings_the_gpus_when_a_component_has_them(gpus, nv):
+    from rlhpc.cluster.hetjob import make_plan, render_script
+
+    plan = make_plan(composed(*APPTAINER, "cluster.container.exe=singularity", f"cluster.trainer.gpus_per_node={gpus}"))
+    words = srun_of(render_script(plan))
+    assert words[words.index("--unbuffered") + 1:] == [
+        "singularity", "exec", *nv, "--bind", f"/scratch,{plan.run_dir}:{plan.run_dir}", "/images/rlhpc.sif", "bash"]
+
+
+@pytest.mark.parametrize("overrides, key, says", [
+    (["cluster.container.runtime=docker", "cluster.container.image=x"], "cluster.container.runtime",
+     "'docker' is not one of: pyxis"),
+    (["cluster.container.runtime=apptainer"], "cluster.container.image",
+     "cluster.container.runtime=apptainer needs an image, e.g. cluster.container.image=/shared/images/rlhpc.sif"),
+    (["cluster.container.image=/images/rlhpc.sif"], "cluster.container.runtime",
+     "set cluster.container.runtime=pyxis or apptainer"),
+    ([*PYXIS, "cluster.container.mounts=['/a:/a,/b:/b']"], "cluster.container.mounts", "give each as its own item"),
+    ([*PYXIS, "cluster.container.workdir=work"], "cluster.container.workdir", "must be an absolute path"),
+])
+def test_a_container_rlhpc_cannot_start_is_refused_naming_the_key_and_a_value_that_works(overrides, key, says):
+    from rlhpc.config import schema as config_mod
+    from rlhpc.config.schema import ConfigError
+
+    importlib.import_module("rlhpc.algo")  # registers the algorithms' config checks
+    with pytest.raises(ConfigError) as refused:
+        config_mod.validate(composed(*overrides))
+    assert str(refused.value).startswith(f"config key `{key}`: ") and says in str(refused.value)
+
+
+def test_the_dry_run_shows_the_srun_line_and_the_container_and_leaves_the_images_python_unjudged():
+    from rlhpc.cluster.hetjob import describe, make_plan, python_problem
+
+    cfg = composed(*APPTAINER, 'cluster.srun_args=["--job-name=rlhpc-roles"]', "cluster.python=/opt/env/bin/python")
+    plan = make_plan(cfg)
+    assert python_problem(plan) is None  # /opt/env/bin/python is inside the image, not on this machine
+    lines = describe(plan, cfg, "sbatch").splitlines()
+    assert (f"  tasks start with: srun --het-group=0,1 --kill-on-bad-exit=1 --unbuffered --job-name=rlhpc-roles "
+            f"apptainer exec --bind /scratch,{plan.run_dir}:{plan.run_dir} /images/rlhpc.sif bash -c '<task loop>'"
+            in lines)
+    assert f"  container: apptainer image /images/rlhpc.sif (apptainer exec); mounts /scratch, {plan.run_dir}:" \
+           f"{plan.run_dir}" in lines
+    assert ("  note: cluster.python=/opt/env/bin/python is the Python inside the image: not checked on this machine; "
+            "the image must have rlhpc installed") in lines
+
+
 @pytest.mark.slow  # over 10 s here: the default tier stays within 10 minutes (docs/testing.md)
 def test_a_sweep_gives_every_point_its_own_run_dir(tmp_path):
     proc = launch("-m", *SMALL, "launcher=slurm", "trainer.steps=4,6", "dry_run=true", cwd=tmp_path)
@@ -358,6 +440,39 @@ def test_a_run_is_one_heterogeneous_job_that_ends_completed(cluster, tmp_path):
     shown = status(run_dir)
     assert f"job {job_id} rlhpc-reverse_text: COMPLETED" in shown and "step 4/4" in shown
     print(f"completed run: {time.monotonic() - t0:.0f}s")
+
+
+@pytest.mark.slurm
+def test_a_run_in_an_apptainer_image_with_srun_args_completes(cluster, tmp_path):
+    """Apptainer cannot run here: a stand-in of that name (cluster.container.exe) records how each task called it and
+    runs the command after the image on the host. The step's name is the one cluster.srun_args gave srun."""
+    calls = tmp_path / "apptainer-calls"
+    fake = tmp_path / "apptainer"
+    fake.write_text(
+        "#!/bin/bash\n"
+        "args=(\"$@\")\n"
+        "for i in \"${!args[@]}\"; do\n"
+        "  if [[ ${args[$i]} == /images/rlhpc.sif ]]; then\n"
+        f"    echo \"${{args[*]:0:$((i + 1))}}\" >>{calls}\n"
+        "    exec \"${args[@]:$((i + 1))}\"\n"
+        "  fi\n"
+        "done\n"
+        "exit 99\n"
+    )
+    fake.chmod(0o755)
+    run_dir = cluster.track(tmp_path / "run")
+    proc = launch(*SMALL, *ON_CLUSTER, "launcher.wait=true", "trainer.steps=2", f"run_dir={run_dir}",
+                  'cluster.srun_args=["--job-name=rlhpc-roles"]', "cluster.container.runtime=apptainer",
+                  "cluster.container.image=/images/rlhpc.sif", f"cluster.container.exe={fake}",
+                  f"cluster.python={sys.executable}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (job_id,) = cluster.job_ids(run_dir)
+    assert all(r[1] == "COMPLETED" for r in wait_final(job_id, timeout=60).values())
+    assert json.loads((run_dir / "summary.json").read_text())["rl_steps"] == 2
+    # One call per task (a trainer rank, two inference workers), run_dir mounted at its own path.
+    assert calls.read_text().splitlines() == [f"exec --bind {run_dir}:{run_dir} /images/rlhpc.sif"] * 3
+    steps = dict(line.split("|") for line in _slurm("sacct", "-j", job_id, "-n", "-P", "-o", "JobID,JobName").split())
+    assert steps[f"{job_id}+0.0"] == steps[f"{job_id}+1.0"] == "rlhpc-roles", steps
 
 
 @pytest.mark.slurm
