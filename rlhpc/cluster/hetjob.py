@@ -363,7 +363,12 @@ if [[ -f "$status/REQUEUE" ]]; then
     fi
 elif [[ $rc != 0 ]]; then
     echo "rlhpc: the roles ended with exit code $rc" >&2
-    "$RLHPC_PYTHON" -m rlhpc.status "$RLHPC_RUN_DIR" --no-slurm >&2
+    # The batch shell runs on the host: in a container (cluster.container) cluster.python is the image's.
+    if command -v "$RLHPC_PYTHON" >/dev/null; then
+        "$RLHPC_PYTHON" -m rlhpc.status "$RLHPC_RUN_DIR" --no-slurm >&2
+    else
+        echo "rlhpc: where the run stands: rlhpc-status $RLHPC_RUN_DIR (with rlhpc's Python)" >&2
+    fi
 fi
 exit $rc
 """
