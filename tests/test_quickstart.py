@@ -40,6 +40,11 @@ def test_the_quick_start_learns_and_rl_raises_held_out_reward(quickstart_run):
     for key in ("loss/total", "entropy", "grad_norm", "loss/mismatch_kl", "async/staleness_mean", "queue/pending_files",
                 "perf/tokens_per_s", "perf/train_s"):
         assert all(key in r for r in rl), key
+    # Rollouts as text: two of every step, decoded by the run's tokenizer, each with its reward and advantage.
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in samples] == [k for k in range(1, 121) for _ in range(2)]
+    assert all("<|im_start|>user" in r["prompt"] and 0.0 <= r["reward"] <= 1.0 for r in samples), samples[:2]
+    assert f"samples: {run_dir / 'samples.jsonl'}" in proc.stdout
 
 
 @pytest.mark.slow

@@ -430,6 +430,15 @@ class EvalConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """What a run records besides its scalars (docs/quickstart.md, "What the model writes")."""
+
+    # Rollouts of each trained step kept as text (prompt, completion, reward, advantage, the weights version that wrote
+    # it): in run_dir/samples.jsonl and in TensorBoard's text tab (trainer-0); 0: none.
+    samples_per_step: int = 2
+
+
+@dataclass
 class SlurmGroupConfig:
     """The Slurm resources of one role: one component of the heterogeneous job (trainer: 0, inference: 1)."""
 
@@ -563,6 +572,7 @@ class Config:
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
@@ -725,6 +735,7 @@ def validate(cfg: Config) -> None:
     need(cfg.eval.interval >= 0, "eval.interval", "must be >= 0 (0: only after SFT and at the end)")
     need(cfg.eval.num_tasks >= 1, "eval.num_tasks", "must be >= 1")
     need(cfg.eval.timeout_s > 0, "eval.timeout_s", "must be > 0")
+    need(cfg.metrics.samples_per_step >= 0, "metrics.samples_per_step", "must be >= 0 (0: no rollout text)")
     need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
     need(cfg.env.max_new_tokens >= 1, "env.max_new_tokens", "must be >= 1")
     need(cfg.env.max_turns >= 0, "env.max_turns", "must be >= 0 (0: the environment's own)")

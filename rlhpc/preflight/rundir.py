@@ -31,7 +31,7 @@ from rlhpc.run.rundir import RunDir
 # how often it checkpoints or evaluates, timeouts, how the work is split (the math does not depend on ranks or
 # micro-batches: tests/test_trainer_math.py), how many workers produce the same kind of groups.
 RUNTIME_KEYS = (
-    "run_dir", "exp_name", "overwrite", "dry_run", "log_level", "resume", "launcher", "cluster", "eval",
+    "run_dir", "exp_name", "overwrite", "dry_run", "log_level", "resume", "launcher", "cluster", "eval", "metrics",
     "trainer.steps", "trainer.checkpoint_interval", "trainer.export_final", "trainer.rollout_timeout_s",
     "trainer.max_bad_steps", "trainer.threads", "trainer.num_ranks", "trainer.fsdp", "trainer.activation_checkpointing",
     "trainer.micro_batch_tokens", "trainer.logprob_chunk_tokens", "trainer.packing", "trainer.pack_row_tokens",

@@ -246,6 +246,11 @@ class RunDir:
         return self.root / "tb"
 
     @property
+    def samples(self) -> Path:
+        """A few rollouts of each trained step as text (rlhpc/train/samples.py)."""
+        return self.root / "samples.jsonl"
+
+    @property
     def logs(self) -> Path:
         return self.root / "logs"
 

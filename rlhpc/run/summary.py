@@ -34,4 +34,6 @@ def print_summary(run: RunDir, wall_time_s: Optional[float] = None) -> dict:
         if verdict:
             print(f"      {verdict}")
     print(f"summary: {run.summary}")
+    if run.samples.exists():
+        print(f"samples: {run.samples}  (rollouts as text: prompt, completion, reward; TensorBoard's text tab too)")
     return s

@@ -38,6 +38,7 @@ from rlhpc.train.loading import build_sharded
 from rlhpc.train.optim import make_optimizer
 from rlhpc.train.parallel import enable_activation_checkpointing
 from rlhpc.train.publish import Publisher
+from rlhpc.train.samples import Samples
 from rlhpc.train.step import Step
 from rlhpc.train.warmstart import Evaluator, load_state, start_model
 from rlhpc.transport.queue import Claim, RolloutBatch
@@ -155,6 +156,8 @@ class Trainer:
             self.summary["resumed_at"] = self.summary.get("resumed_at", []) + [start]
         if self.is_main:
             self.metrics.resumed("rl", start)  # what an earlier attempt logged past it is trained again
+            self.samples = Samples(self.run, self.cfg.metrics.samples_per_step, self.tokenizer, self.metrics)
+            self.samples.resumed(start)
             if start > 0:
                 discard_after(self.run, start)
             self.claims.start(start)
@@ -175,6 +178,7 @@ class Trainer:
         stats.update(self.claims.stats(step, claim))
         stats["lr"] = self.scheduler.get_last_lr()[0]
         self.metrics.log(step + 1, stats)
+        self.samples.write(step + 1, claim.batch)  # a few of the batch's rollouts as text
         curve = read_curve(self.run)
         heldout = {"heldout": curve[-1][1], "heldout_version": curve[-1][0]} if curve else {}
         self.beat = dict(step=step + 1, steps=self.cfg.trainer.steps, reward=stats["rollout/reward"],
