@@ -149,11 +149,11 @@ def test_under_default_settings_a_worker_killed_mid_run_is_restarted_and_the_run
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ledger = run_dir / "queue" / "ledger.jsonl"
-        wait_until(lambda: ledger.exists() and len(ledger.read_text().splitlines()) >= 2 or p.poll() is not None, 180,
-                   "no trained step")
+        beat = run_dir / "status" / "inference-0.json"
+        wait_until(lambda: ledger.exists() and len(ledger.read_text().splitlines()) >= 2 and beat.exists()
+                   or p.poll() is not None, 180, "no trained step")
         assert p.poll() is None, p.communicate()[1][-3000:]
-        beat = json.loads((run_dir / "status" / "inference-0.json").read_text())
-        os.killpg(beat["pid"], signal.SIGKILL)  # the worker and its environment pool, as when the OOM killer strikes
+        os.killpg(json.loads(beat.read_text())["pid"], signal.SIGKILL)  # the worker and its environment pool, as when the OOM killer strikes
         _, err = p.communicate(timeout=240)
     finally:
         if p.poll() is None:  # the test failed: Ctrl-C ends the run's processes too

@@ -663,12 +663,14 @@ def test_under_default_settings_a_killed_worker_is_restarted_inside_the_job(clus
                              f"trainer.steps={steps}", "weights.transport=filesystem", f"run_dir={run_dir}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
-        ledger = run_dir / "queue" / "ledger.jsonl"
+        ledger, beat = run_dir / "queue" / "ledger.jsonl", run_dir / "status" / "inference-0.json"
         deadline = time.monotonic() + 180
-        while not (ledger.exists() and len(ledger.read_text().splitlines()) >= 2) and proc.poll() is None:
+        # Two trained steps, and worker 0 at work (its heartbeat: the other worker may feed the first steps alone).
+        while not (ledger.exists() and len(ledger.read_text().splitlines()) >= 2 and beat.exists()):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "no trained step"
             time.sleep(0.2)
-        os.kill(json.loads((run_dir / "status" / "inference-0.json").read_text())["pid"], 9)
+        os.kill(json.loads(beat.read_text())["pid"], 9)
         _, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
