@@ -273,10 +273,14 @@ def test_an_async_run_over_two_nodes_survives_the_death_of_its_follower_and_ends
         while time.monotonic() < deadline and not (log.exists() and "model workers up" in log.read_text()):
             assert launch.poll() is None, launch.communicate()[1][-3000:]
             time.sleep(1)
-        # Generating now, before the first update. Killed after the trainer's first two steps instead, the restarted
-        # pair rejoined the weights group and published nothing until trainer.rollout_timeout_s ended the run (seen
-        # once, 2026-12-07: the trainer waited for groups of version >= 1); that is a restart bug, not this test's.
-        time.sleep(5)
+        # Killed after the trainer's first two steps: the restarted pair must get the newest weights while the
+        # trainer waits for its rollouts (the run's only worker; before the trainer sent them again at once, the pair
+        # waited for an update that only its own rollouts could bring, until trainer.rollout_timeout_s).
+        ledger = run_dir / "queue" / "ledger.jsonl"
+        while not (ledger.exists() and len(ledger.read_text().splitlines()) >= 2):
+            assert launch.poll() is None, launch.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no trained step"
+            time.sleep(0.5)
         beat = json.loads((run_dir / "status" / "follower-0.json").read_text())
         os.killpg(beat["pid"], 9)
         out, err = launch.communicate(timeout=800)
