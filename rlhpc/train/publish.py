@@ -158,8 +158,8 @@ class Publisher:
             log.info("weights: version %d sent again, to the worker(s) that joined since", self.version)
             self.publish(model, self.version, resend=True)
             return
-        if self.world > 1 and self.cfg.weights.transport == "broadcast":
-            said = read_json(self.resend_file) if self.resend_file.exists() else None
+        if self.cfg.weights.transport == "broadcast":  # (a rank other than 0: there are several)
+            said = read_json(self.resend_file)
             if said and said["resend"] > self.resends:
                 self.resends = said["resend"]
                 self.publish(model, said["version"], resend=True)
@@ -169,15 +169,8 @@ class Publisher:
         `resend`: a version published before, sent again (no snapshot)."""
         serving = serving_dtype(self.cfg)
         self.version = version
-        if resend:
-            stream = full_state(model, serving)
-            if self.is_main:
-                self.sender.publish(version, stream, layout=checkpoint_layout(model, serving))
-            else:
-                for _ in stream:
-                    pass
-            return
-        if self.cfg.weights.transport == "broadcast" and version == self.cfg.trainer.steps:
+        broadcast = self.cfg.weights.transport == "broadcast"
+        if broadcast and version == self.cfg.trainer.steps and not resend:
             self.final_snapshot(model, version, serving)
         stream = full_state(model, serving)
         if not self.is_main:
@@ -186,7 +179,7 @@ class Publisher:
             return
         layout = checkpoint_layout(model, serving)
         snap = self.cfg.weights.snapshot_interval
-        if snap and version % snap == 0 and self.cfg.weights.transport == "broadcast":
+        if snap and version % snap == 0 and broadcast and not resend:
             with SnapshotTap(self.run, version, layout) as tap:  # written as the stream goes out: no full copy
                 self.sender.publish(version, tap.tee(stream), layout=layout)
             return
