@@ -79,3 +79,18 @@ def test_a_disabled_mark_writes_nothing(tmp_path):
     run = RunDir(tmp_path).make()
     cores.Idle(run, "trainer", 0, threads=1, enabled=False).set(True)
     assert not cores.idle_dir(run).exists()
+
+
+def test_the_warm_start_takes_the_threads_of_the_processes_waiting_for_it_on_one_machine():
+    from rlhpc.config.schema import Config
+
+    cfg = Config()
+    cfg.trainer.threads, cfg.trainer.num_ranks, cfg.inference.threads, cfg.inference.num_workers = 1, 1, 1, 2
+    assert cores.warm_start_threads(cfg) == min(3, cores.cores())
+    cfg.trainer.threads = 64  # its own threads, even above the cores: what the user asked for
+    assert cores.warm_start_threads(cfg) == 64
+    cfg.trainer.threads = 1
+    cfg.launcher.lend_cores = False
+    assert cores.warm_start_threads(cfg) == 1
+    cfg.launcher.lend_cores, cfg.launcher.name = True, "slurm"  # the others wait on other nodes
+    assert cores.warm_start_threads(cfg) == 1

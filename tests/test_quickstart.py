@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from rlhpc.run.cores import cores
 from test_launch import alarming_logs
 
 
@@ -31,6 +32,8 @@ def test_the_quick_start_learns_and_rl_raises_held_out_reward(quickstart_run):
     # What the user sees at the end: the table on the terminal, logs per role, TensorBoard per role, the HF export.
     assert "held-out reward after RL" in proc.stdout
     assert {p.name for p in (run_dir / "logs").glob("*.log")} == {"trainer-0.log", "inference-0.log", "inference-1.log"}
+    # The workers only wait for the warm start's model: it takes their threads too (rlhpc/run/cores.py).
+    assert f"warm start on {min(3, cores())} thread(s)" in (run_dir / "logs" / "trainer-0.log").read_text()
     found = alarming_logs(run_dir)
     assert not found, found  # a run that went well reads so: no torch warning, no traceback
     assert {p.name for p in (run_dir / "tb").iterdir()} == {"trainer-0", "inference-0", "inference-1"}

@@ -14,10 +14,11 @@ Only within one machine: on a cluster the roles run on different nodes, where bo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -33,6 +34,27 @@ def cores() -> int:
 
 def enabled(cfg) -> bool:
     return cfg.launcher.name == "local" and cfg.launcher.lend_cores
+
+
+def warm_start_threads(cfg) -> int:
+    """Torch threads of the warm start on trainer rank 0. On one machine every other process of the launch only waits
+    for it (the workers for its model, the other trainer ranks for READY), so it takes the threads of all of them,
+    never more than the machine's cores; elsewhere, or with lending off, its own `trainer.threads`."""
+    if not enabled(cfg):
+        return cfg.trainer.threads
+    launch = cfg.trainer.threads * cfg.trainer.num_ranks + cfg.inference.threads * cfg.inference.num_workers
+    return max(cfg.trainer.threads, min(launch, cores()))
+
+
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[None]:
+    """Torch's thread count set to `n` within, and back to what it was after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def idle_dir(run) -> Path:

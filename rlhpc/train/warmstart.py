@@ -28,6 +28,7 @@ from rlhpc.config.schema import Config, EnvConfig
 from rlhpc.env import Environment, Task
 from rlhpc.env.episode import Renderer
 from rlhpc.modeling import models
+from rlhpc.run import cores
 from rlhpc.run.evaluation import heldout_tasks, write_result
 from rlhpc.run.metrics import Metrics
 from rlhpc.run.rundir import RunDir, read_json, wait_for, write_json
@@ -50,7 +51,10 @@ def start_model(cfg: Config, run: RunDir, env: Environment, metrics: Optional[Me
     results (the run's summary so far); raises Stop when asked to stop meanwhile."""
     ready = run.model / "READY"
     if rank == 0 and not ready.exists():
-        write_json(ready, warm_start(cfg, run, env, metrics, rank, evaluator))
+        threads = cores.warm_start_threads(cfg)
+        log.info("warm start on %d thread(s)", threads)
+        with cores.threads(threads):
+            write_json(ready, warm_start(cfg, run, env, metrics, rank, evaluator))
 
     def abort() -> Optional[str]:
         if stop_requested():
