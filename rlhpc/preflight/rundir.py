@@ -22,7 +22,6 @@ from rlhpc.config import schema as config_mod
 from rlhpc.config.errors import one_line
 from rlhpc.config.schema import Config
 from rlhpc.preflight.checks import weights_problem
-from rlhpc.run import trackers
 from rlhpc.run.rundir import RunDir
 
 
@@ -88,7 +87,7 @@ class RunDirError(RuntimeError):
 
 
 def prepare_run_dir(cfg: Config) -> RunDir:
-    """Creates the run directory and writes config.yaml and the tracker runs' identities (trackers.json). Refuses a directory holding a finished run unless
+    """Creates the run directory and writes config.yaml. Refuses a directory holding a finished run unless
     `overwrite=true`; a directory of an unfinished run is resumed, but refused if its saved config differs in a key that
     changes training, unless `resume.allow_config_change=true`."""
     run = RunDir(Path(cfg.run_dir))
@@ -117,7 +116,6 @@ def prepare_run_dir(cfg: Config) -> RunDir:
     for stale in (run.failed, run.requeue):  # an earlier attempt's: this one writes its own
         stale.unlink(missing_ok=True)
     config_mod.save(cfg, run.config)
-    trackers.prepare(cfg, run)  # the tracker runs every role writes to (an earlier launch's, continued)
     return run
 
 
