@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import rlhpc.algo  # noqa: F401  (registers the algorithms' config checks, which validate runs)
 from rlhpc.config import schema as config_mod
 from rlhpc.config.schema import ConfigError
 from rlhpc.preflight import checks as preflight
@@ -213,8 +214,6 @@ def test_a_tracker_whose_package_is_missing_is_refused_at_launch_naming_the_key_
 
 
 def test_an_unknown_tracker_is_refused_naming_the_key(tmp_path):
-    import rlhpc.algo  # noqa: F401 - registers the algorithms' checks, which validate runs
-
     with pytest.raises(ConfigError, match=r"`metrics.trackers`: 'comet' is not one of tensorboard, wandb, mlflow"):
         config_mod.validate(config(tmp_path, "tensorboard", "comet"))
 
