@@ -23,6 +23,7 @@ from rlhpc.config.schema import Config, ConfigError
 from rlhpc.preflight import checks as preflight
 from rlhpc.preflight import rundir as run_setup
 from rlhpc.preflight.rundir import RunDirError, prepare_run_dir
+from rlhpc.run import trackers
 from rlhpc.run.procs import STOP_SIGNALS, exit_code
 from rlhpc.run.rundir import RunDir, read_json, resume_command
 
@@ -69,6 +70,7 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = F
         launcher = Launcher(cfg)  # placed in the folder made
     with run_setup.launch_lock(Path(cfg.run_dir)):
         run = prepare_run_dir(cfg)
+        trackers.prepare(cfg, run)  # the tracker runs every role writes to (an earlier launch's, continued)
         code = launcher.start(run)
     if cfg.launcher.name == "local" and code in map(exit_code, STOP_SIGNALS):  # stopped: the roles have ended
         print(stopped_note(run, cfg, overrides), file=sys.stderr)

@@ -50,20 +50,14 @@ def test_each_sample_is_decoded_with_its_own_reward_and_advantage_and_comes_from
     assert every[5]["task_id"] == "t2" and every[5]["version"] == 3 and every[5]["step"] == 8
 
 
-class _Writer:
+class _Metrics:
+    """What Samples hands to the metrics (rlhpc/run/metrics.py): each step's rows and its text for TensorBoard."""
+
     def __init__(self):
         self.texts = []
 
-    def add_text(self, tag, text, step):
-        self.texts.append((tag, text, step))
-
-
-class _Metrics:
-    def __init__(self):
-        self.w = _Writer()
-
-    def writer(self, phase):
-        return self.w
+    def samples(self, step, rows, text):
+        self.texts.append((rows, text, step))
 
 
 def test_samples_jsonl_and_the_text_tab_hold_each_step_and_a_resume_replaces_the_steps_it_trains_again(tmp_path):
@@ -73,8 +67,9 @@ def test_samples_jsonl_and_the_text_tab_hold_each_step_and_a_resume_replaces_the
     for step in (1, 2, 3):
         first.write(step, BATCH)
     assert [r["step"] for r in read_samples(run)] == [1, 1, 2, 2, 3, 3]
-    tag, text, step = metrics.w.texts[-1]
-    assert tag == "samples" and step == 3 and "```\nReverse: " in text and "reward " in text
+    rows_of_step, text, step = metrics.texts[-1]
+    assert step == 3 and [r["step"] for r in rows_of_step] == [3, 3]
+    assert "```\nReverse: " in text and "reward " in text
     again = Samples(run, 2, TOK, metrics)  # relaunched, resumed from the checkpoint of step 2
     again.resumed(2)
     again.write(3, BATCH)

@@ -429,13 +429,64 @@ class EvalConfig:
     timeout_s: float = 600.0
 
 
+# The experiment trackers metrics.trackers may name (rlhpc/run/trackers.py).
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases (metrics.trackers=[...,wandb]): one W&B run per process (trainer-0, inference-0, ...), grouped
+    by the run's name (docs/quickstart.md, "Experiment trackers")."""
+
+    # The W&B project.
+    project: str = "rlhpc"
+    # The W&B entity (a team or user); empty: the default entity of the API key.
+    entity: str = ""
+    # online: uploads as the run goes; offline: writes run_dir/wandb/ only, for `wandb sync` later (compute nodes
+    # without internet); disabled: records nothing.
+    mode: str = "online"
+    # Tags of every W&B run of this run.
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (metrics.trackers=[...,mlflow]): one MLflow run for the whole run, the inference workers' scalars under
+    inference-<rank>/ (docs/quickstart.md, "Experiment trackers")."""
+
+    # A tracking server (http://host:5000) or a store; empty: MLFLOW_TRACKING_URI if set, else MLflow's file store in
+    # run_dir/mlruns.
+    tracking_uri: str = ""
+    # The MLflow experiment the run goes into (created if missing).
+    experiment: str = "rlhpc"
+
+
+@dataclass
+class TrackioConfig:
+    """trackio (metrics.trackers=[...,trackio]): one trackio run per process, grouped by the run's name, in trackio's
+    local database (TRACKIO_DIR, by default ~/.cache/huggingface/trackio)."""
+
+    # The trackio project.
+    project: str = "rlhpc"
+
+
 @dataclass
 class MetricsConfig:
-    """What a run records besides its scalars (docs/quickstart.md, "What the model writes")."""
+    """What a run records besides its scalars, and where (docs/quickstart.md, "What the model writes")."""
 
     # Rollouts of each trained step kept as text (prompt, completion, reward, advantage, the weights version that wrote
-    # it): in run_dir/samples.jsonl and in TensorBoard's text tab (trainer-0); 0: none.
+    # it): in run_dir/samples.jsonl, in TensorBoard's text tab (trainer-0) and as a table in each tracker; 0: none.
     samples_per_step: int = 2
+    # Where every role's scalars, the config, the samples and the summary go, besides logs/*.metrics.jsonl and
+    # samples.jsonl: any of tensorboard (run_dir/tb), wandb, mlflow, trackio (`pip install -e '.[trackers]'`).
+    trackers: List[str] = field(default_factory=lambda: ["tensorboard"])
+    # The run's name in the trackers: the W&B and trackio group of its processes' runs (each named
+    # <run_name>-<role>-<rank>) and the MLflow run's name; empty: <exp_name>-<run_dir's folder name>. Fixed at the
+    # first launch: a resumed run keeps it.
+    run_name: str = ""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    trackio: TrackioConfig = field(default_factory=TrackioConfig)
 
 
 @dataclass
@@ -601,6 +652,7 @@ _CHOICES = {
     "trainer.param_dtype": ("auto", "float32", "bfloat16"),
     "trainer.master_dtype": ("float32", "bfloat16"),
     "trainer.packing": ("shared_prefix", "padded"),
+    "metrics.wandb.mode": ("online", "offline", "disabled"),
 }
 
 
@@ -736,6 +788,9 @@ def validate(cfg: Config) -> None:
     need(cfg.eval.num_tasks >= 1, "eval.num_tasks", "must be >= 1")
     need(cfg.eval.timeout_s > 0, "eval.timeout_s", "must be > 0")
     need(cfg.metrics.samples_per_step >= 0, "metrics.samples_per_step", "must be >= 0 (0: no rollout text)")
+    for name in cfg.metrics.trackers:
+        need(name in TRACKERS, "metrics.trackers", f"{name!r} is not one of {', '.join(TRACKERS)}")
+    need(len(set(cfg.metrics.trackers)) == len(cfg.metrics.trackers), "metrics.trackers", "names a tracker twice")
     need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
     need(cfg.env.max_new_tokens >= 1, "env.max_new_tokens", "must be >= 1")
     need(cfg.env.max_turns >= 0, "env.max_turns", "must be >= 0 (0: the environment's own)")

@@ -92,7 +92,7 @@ def _loop(cfg: Config, ident: Identity, run: RunDir, engine, env, pool: EnvPool,
     gate = receiver.gate or contextlib.nullcontext()
     if getattr(engine, "supports_inflight_updates", False) and cfg.inference.inflight_updates and receiver.gate is None:
         engine.weight_updates = receiver.poll  # vLLM swaps weights between decode steps of a long generation
-    metrics = Metrics(run, "inference", rank)
+    metrics = Metrics(run, "inference", rank, cfg)
     idle, borrower = _lending(cfg, run, rank, engine)
     # The first worker of the launch evaluates; restarted ones take over what is not evaluated yet, attached ones never.
     heldout = HeldoutEval(cfg, run, env, pool, tokenizer) if rank == 0 and not ident.attached else None
@@ -257,8 +257,8 @@ class HeldoutEval:
             metrics.purge_after("eval", done[-1] if done else -1)
         self.evaluated = True
         write_result(self.run, version, reward, len(self.tasks))
-        # TensorBoard only, against the weights version; the metrics rows stay one per generated batch.
-        metrics.tensorboard(version, {"eval/heldout_reward": reward, "eval/time_s": eval_s}, phase="eval")
+        # The trackers only, against the weights version; the metrics rows stay one per generated batch.
+        metrics.scalars(version, {"eval/heldout_reward": reward, "eval/time_s": eval_s}, phase="eval")
         log.info("weights version %d: held-out reward %.3f (%d tasks, %.1fs)", version, reward, len(self.tasks), eval_s)
 
 

@@ -4,7 +4,8 @@ mistake costs seconds at the terminal, not a queue wait and a failed job. Every 
 - `model.path`: a folder whose config and tokenizer transformers loads (the weights are not read: that takes long);
 - the environment: `env.name`/`env.cls` resolves and its constructor accepts `env.args`; `env.tool_parser` resolves;
 - the loss: `algo.name` is a registered loss or an importable "package.module:function";
-- serving: the host and port a served engine binds, and the tokenizer files it needs.
+- serving: the host and port a served engine binds, and the tokenizer files it needs;
+- `metrics.trackers`: the package of each tracker it names is installed.
 
 The run directory's own checks (a relaunch that changes training, a run_dir another launch writes) are
 rlhpc/preflight/rundir.py's; a command line that does not compose is rlhpc/config/errors.py's.
@@ -18,6 +19,7 @@ from typing import Tuple
 
 from rlhpc.config.errors import one_line
 from rlhpc.config.schema import Config, ConfigError
+from rlhpc.run import trackers
 
 
 def check(cfg: Config, model: bool = True) -> None:
@@ -27,11 +29,19 @@ def check(cfg: Config, model: bool = True) -> None:
     after the model was loaded and run."""
     check_loss(cfg)
     check_env(cfg)
+    check_trackers(cfg)
     if model or not cfg.model.path:
         check_model(cfg)
     if cfg.inference.serve and cfg.launcher.name == "local" and not cfg.dry_run:
         check_serving(cfg)
     check_context(cfg)
+
+
+def check_trackers(cfg: Config) -> None:
+    """Each tracker of `metrics.trackers` can start: its package is installed (found, not imported)."""
+    problem = trackers.missing(cfg.metrics.trackers)
+    if problem:
+        raise ConfigError(f"config key `metrics.trackers`: {problem}")
 
 
 def check_model(cfg: Config, trainer: bool = True) -> None:

@@ -1,6 +1,7 @@
-"""Per-role metrics: TensorBoard scalars under tb/<role>-<rank>/ (the warm start's under tb/trainer-0/sft/, inference
-worker 0's held-out evaluations under tb/inference-0/eval/) and the same rows in logs/<role>-<rank>.metrics.jsonl
-(what the status command and the plots read).
+"""Per-role metrics: the rows of logs/<role>-<rank>.metrics.jsonl (what the status command and the plots read), and
+the same scalars in the trackers of `metrics.trackers`: TensorBoard under tb/<role>-<rank>/ (the warm start's under
+tb/trainer-0/sft/, inference worker 0's held-out evaluations under tb/inference-0/eval/), and W&B, MLflow or trackio
+(rlhpc/run/trackers.py), which also get the config, the sampled rollouts and the summary.
 
 A run that resumes trains again the steps after its last checkpoint (or saved warm start state): the rows the killed
 attempt wrote for them are not the run's. The trainer marks the resume in the rows ({"resumed": "rl" or "sft",
@@ -11,10 +12,16 @@ last result on record (those of versions a resumed run trains again)."""
 from __future__ import annotations
 
 import json
+import logging
 import time
-from typing import Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
+from rlhpc.config.errors import one_line
+from rlhpc.config.schema import Config
+from rlhpc.run import trackers
 from rlhpc.run.rundir import RunDir
+
+log = logging.getLogger(__name__)
 
 
 def phase_of(row: Mapping) -> str:
@@ -23,8 +30,11 @@ def phase_of(row: Mapping) -> str:
 
 
 class Metrics:
-    def __init__(self, run: RunDir, role: str, rank: int):
+    """One process's metrics. Without `cfg` (tests, tools): the rows and TensorBoard only."""
+
+    def __init__(self, run: RunDir, role: str, rank: int, cfg: Optional[Config] = None):
         self.folder = run.tb / f"{role}-{rank}"
+        self.to_tensorboard = cfg is None or "tensorboard" in cfg.metrics.trackers
         # TensorBoard's writers by phase, each in its folder: the warm start's steps and RL's share numbers, as do a
         # worker's batches and the versions it evaluates, and a purge on resume (which hides all of a folder's events
         # from its step on) must not reach the other phase's.
@@ -32,6 +42,7 @@ class Metrics:
         self.purge: Dict[str, int] = {}
         self.jsonl = open(run.logs / f"{role}-{rank}.metrics.jsonl", "a", buffering=1)
         self.relaunched = self.jsonl.tell() > 0  # an earlier attempt of the run wrote rows
+        self.trackers: List[trackers.Tracker] = trackers.start(cfg, run, role, rank) if cfg is not None else []
 
     def writer(self, phase: str):
         if phase not in self.writers:
@@ -43,14 +54,37 @@ class Metrics:
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         row: Dict[str, float] = {k: float(v) for k, v in scalars.items()}
-        self.tensorboard(step, row)
+        self.scalars(step, row)
         self.jsonl.write(json.dumps({"step": step, "time": time.time(), **row}) + "\n")
 
-    def tensorboard(self, step: int, scalars: Mapping[str, float], phase: Optional[str] = None) -> None:
-        """Scalars for TensorBoard only, not rows of the metrics file (`phase`: their writer, by default the rows')."""
-        writer = self.writer(phase or phase_of(scalars))
-        for k, v in scalars.items():
-            writer.add_scalar(k, float(v), step)
+    def scalars(self, step: int, scalars: Mapping[str, float], phase: Optional[str] = None) -> None:
+        """Scalars for the trackers only, not rows of the metrics file (`phase`: "rl", "sft" or "eval", by default the
+        rows')."""
+        phase = phase or phase_of(scalars)
+        if self.to_tensorboard:
+            writer = self.writer(phase)
+            for k, v in scalars.items():
+                writer.add_scalar(k, float(v), step)
+        self.each_tracker("scalars", lambda t: t.log(phase, step, scalars))
+
+    def samples(self, step: int, rows: List[dict], text: str) -> None:
+        """Sampled rollouts of trained step `step` (rlhpc/train/samples.py): `rows` as a table in each tracker, `text`
+        (markdown) in TensorBoard's text tab."""
+        if self.to_tensorboard:
+            self.writer("rl").add_text("samples", text, step)
+        self.each_tracker("samples", lambda t: t.samples(step, rows))
+
+    def summary(self, summary: Mapping[str, Any]) -> None:
+        """The run's summary (summary.json) for the trackers."""
+        self.each_tracker("the summary", lambda t: t.summary(summary))
+
+    def each_tracker(self, what: str, call) -> None:
+        for tracker in self.trackers:
+            try:
+                call(tracker)
+            except Exception as e:  # noqa: BLE001 - a tracker's outage (its server down) costs its records, not the run
+                log.warning("metrics.trackers: %s could not record %s (%s); the run goes on, logs/*.metrics.jsonl "
+                            "keeps every scalar", type(tracker).__name__, what, one_line(e))
 
     def resumed(self, phase: str, step: int) -> None:
         """This attempt goes on after `step` of `phase` ("rl": the checkpoint's step; "sft": the saved warm start's):
@@ -71,6 +105,8 @@ class Metrics:
         for writer in self.writers.values():
             writer.flush()
             writer.close()
+        for tracker in self.trackers:
+            tracker.finish()
         self.jsonl.close()
 
 

@@ -251,6 +251,11 @@ class RunDir:
         return self.root / "samples.jsonl"
 
     @property
+    def trackers(self) -> Path:
+        """The identities of the run's experiment tracker runs, fixed at its first launch (rlhpc/run/trackers.py)."""
+        return self.root / "trackers.json"
+
+    @property
     def logs(self) -> Path:
         return self.root / "logs"
 

@@ -1,5 +1,5 @@
 """A few rollouts of each trained step as text, to read what the policy writes: run_dir/samples.jsonl (one JSON row a
-sample) and TensorBoard's text tab (trainer-0, "samples"). `metrics.samples_per_step` of each step's batch, from as
+sample), TensorBoard's text tab (trainer-0, "samples") and a table in each of metrics.trackers. `metrics.samples_per_step` of each step's batch, from as
 many groups, chosen by a generator seeded with the step (a resumed run picks the same ones). Each row: the step that
 trained on it, the weights version that generated it, the environment and task, the sample's reward and advantage,
 whether it was cut at the token limit, and its prompt and completion as the tokenizer decodes them (special tokens
@@ -77,7 +77,7 @@ class Samples:
         samples = rows(batch, pick(batch, self.k, step), self.tokenizer, step)
         with open(self.run.samples, "a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in samples))
-        self.metrics.writer("rl").add_text("samples", markdown(samples), step)
+        self.metrics.samples(step, samples, markdown(samples))
 
 
 def read_samples(run: RunDir) -> List[dict]:

@@ -79,7 +79,7 @@ class Trainer:
         lend = cores.enabled(cfg) and self.device.type == "cpu"
         self.idle = cores.Idle(run, "trainer", self.rank, cfg.trainer.threads, enabled=lend)
         self.borrower = cores.Borrower(run, "inference", cfg.trainer.threads, borrowers=self.world) if lend else None
-        self.metrics: Optional[Metrics] = Metrics(run, "trainer", self.rank) if self.is_main else None
+        self.metrics: Optional[Metrics] = Metrics(run, "trainer", self.rank, cfg) if self.is_main else None
         self.summary: Dict = {}
         # Rank 0's last heartbeat after a step (report), which the end repeats with the final held-out reward.
         self.beat: Dict[str, Any] = {"step": 0, "steps": cfg.trainer.steps}
@@ -216,6 +216,7 @@ class Trainer:
                 busy=busy_by_process(self.run),  # per process: fractions of the RL wall time working and waiting
             )
             write_json(self.run.summary, self.summary)
+            self.metrics.summary(self.summary)
             self.claims.sync()  # the finished run's ledger, durable before DONE
             write_json(self.run.done, {"time": time.time(), "steps": steps})
             self.publisher.close()
