@@ -6,6 +6,7 @@ Tests that need the trackers' packages skip without them (`pip install -e '.[tra
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -192,6 +193,9 @@ def test_a_relaunched_run_goes_on_in_the_same_wandb_and_mlflow_runs(tmp_path):
     cfg = config(run.root, "wandb", "mlflow")
     record_a_run(cfg, run, steps=(1, 2))
     first = read_json(run.trackers)
+    # W&B names an offline run's folder by the second its process started it: a relaunch within the same second (only
+    # this test is that fast) would share the first attempt's folder.
+    time.sleep(1.05 - time.time() % 1)
     record_a_run(cfg, run, steps=(3, 4))  # relaunched: the launcher prepares again, the roles start again
     assert read_json(run.trackers) == first
     attempts = wandb_runs(run, "trainer-0")
