@@ -111,7 +111,7 @@ class RolloutBatch:
                 continue
             t = t.detach().to("cpu", dtype or t.dtype).contiguous()
             data = memoryview(t.numpy()).cast("B")
-            header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(t.shape),
+            header[name] = {"dtype": SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape),
                             "data_offsets": [end, end + len(data)]}
             buffers.append(data)
             end += len(data)
