@@ -217,3 +217,39 @@ def test_multi_turn_episodes_replay_the_experts_of_every_turn_and_of_the_environ
     # misaligned by one position would route every later token wrongly.
     assert live["loss/mismatch_kl"] > 1e-6 and replayed["loss/mismatch_kl"] < live["loss/mismatch_kl"] / 100
     assert max(replayed["loss/ratio_max"] - 1, 1 - replayed["loss/ratio_min"]) < 1e-2
+
+
+def _ep_worker(root, rank, world, port, data, out):
+    """A step on `world` ranks at ep=world with replay: its loss, mismatch and the routers' gradients."""
+    try:
+        import torch.distributed as dist
+
+        tr = _trainer(Path(root), rank, world, port, {"trainer": {"ep": world, "router_replay": True,
+                                                                  "micro_batch_tokens": 64 if world > 1 else 100000}})
+        tr.optimizer.step = lambda *a, **k: None  # keep the step's gradients
+        stats = tr.train_step(0, RolloutBatch.from_bytes(data))
+        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).numpy().copy()
+                 for n, p in tr.model.named_parameters() if n.endswith("mlp.gate.weight")}
+        if rank == 0:
+            out.put(("ok", {"loss": stats["loss/total"], "mismatch_kl": stats["loss/mismatch_kl"], "grads": grads}))
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        out.put(("error", traceback.format_exc()))
+
+
+@pytest.mark.slow  # ~17 s here: over 10 s (docs/testing.md)
+def test_replay_with_experts_over_two_ranks_has_the_loss_and_router_gradients_of_one_rank(root, rollouts):
+    data = batch_of(*rollouts).to_bytes("p")  # the ranks read the queue file's bytes
+    one = {}
+    _ep_worker(str(root), 0, 1, 0, data, type("Q", (), {"put": lambda self, x: one.setdefault("r", x)})())
+    assert one["r"][0] == "ok", one["r"]
+    ctx, port = mp.get_context("forkserver"), free_port()
+    status, two = first_report(ctx, _ep_worker, lambda r, out: (str(root), r, 2, port, data, out), 2, timeout=120)
+    assert status == "ok", two
+    one = one["r"][1]
+    assert one["mismatch_kl"] < 1e-8 and two["mismatch_kl"] < 1e-8
+    assert abs(one["loss"] - two["loss"]) < 1e-5
+    for name, g in one["grads"].items():
+        assert np.abs(two["grads"][name] - g).max() <= 1e-5 * np.abs(g).max(), name
