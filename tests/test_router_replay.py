@@ -220,11 +220,11 @@ def test_multi_turn_episodes_replay_the_experts_of_every_turn_and_of_the_environ
 
 
 def _ep_worker(root, rank, world, port, data, out):
-    """A step on `world` ranks at ep=world with replay: its loss, mismatch and the routers' gradients."""
+    """A step on `world` ranks at ep=world and cp=world with replay: its loss, mismatch and the routers' gradients."""
     try:
         import torch.distributed as dist
 
-        tr = _trainer(Path(root), rank, world, port, {"trainer": {"ep": world, "router_replay": True,
+        tr = _trainer(Path(root), rank, world, port, {"trainer": {"ep": world, "cp": world, "router_replay": True,
                                                                   "micro_batch_tokens": 64 if world > 1 else 100000}})
         tr.optimizer.step = lambda *a, **k: None  # keep the step's gradients
         stats = tr.train_step(0, RolloutBatch.from_bytes(data))
@@ -239,8 +239,11 @@ def _ep_worker(root, rank, world, port, data, out):
         out.put(("error", traceback.format_exc()))
 
 
-@pytest.mark.slow  # ~17 s here: over 10 s (docs/testing.md)
-def test_replay_with_experts_over_two_ranks_has_the_loss_and_router_gradients_of_one_rank(root, rollouts):
+@pytest.mark.slow  # 10-17 s here: over 10 s (docs/testing.md)
+def test_replay_with_experts_and_rows_split_over_two_ranks_has_the_loss_and_router_gradients_of_one_rank(root,
+                                                                                                         rollouts):
+    """Expert parallelism and context parallelism at once: each rank routes its half of every packed row by that
+    half's recorded experts, and the experts it holds receive them by all-to-all."""
     data = batch_of(*rollouts).to_bytes("p")  # the ranks read the queue file's bytes
     one = {}
     _ep_worker(str(root), 0, 1, 0, data, type("Q", (), {"put": lambda self, x: one.setdefault("r", x)})())
