@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import time
 from contextlib import contextmanager
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -140,7 +140,7 @@ class Step:
             dist.all_reduce(n, op=dist.ReduceOp.MAX)
             plan += [None] * (int(n) - len(plan))
         balance = self.router_balance(model)
-        loads = self.router_loads(plan, models, balance, mine, batch, sequences, loss_masks, routings,
+        loads = self.router_loads(plan, model, balance, mine, batch, sequences, loss_masks, routings,
                                   pad_id) if balance else None
         for mb in plan:
             if mb is None:
@@ -245,12 +245,11 @@ class Step:
             self.balance = RouterBalance(model, self.cfg.algo.router_aux_loss_coef)
         return self.balance
 
-    def router_loads(self, plan: list, models: List[torch.nn.Module], balance: RouterBalance, mine: torch.Tensor,
+    def router_loads(self, plan: list, model: torch.nn.Module, balance: RouterBalance, mine: torch.Tensor,
                      batch: RolloutBatch, sequences, loss_masks, routings, pad_id: int) -> Tuple[torch.Tensor, float]:
         """The step's expert assignment counts [E] and rows (positions x MoE layers) over all ranks, from a no-grad
         pass over this rank's micro-batches (the same number of forwards on every rank, like the step's)."""
         counts, rows = 0, 0
-        model = models[0]
         nothing = torch.zeros(0, dtype=torch.long, device=self.device)
         with torch.no_grad():
             for mb in plan:  # every rank has at least one entry, an idle pass if nothing else: it learns E from it
@@ -261,7 +260,7 @@ class Step:
                     else:
                         _, _, _, logprobs, positions, routing = self.micro_batch(mb, mine, sequences, loss_masks,
                                                                                  routings, pad_id)
-                        with autocast(self.cfg.trainer, self.device, model), self.replaying(models, routing):
+                        with autocast(self.cfg.trainer, self.device, model), self.replaying([model], routing):
                             logprobs(model)
                 counts = counts + balance.count(routers, positions)
                 rows += positions.numel() * len(routers)
@@ -288,7 +287,7 @@ class Step:
             yield
             return
         for m in models:
-            if id(m) not in self.replays:
+            if id(m) not in self.replays or self.replays[id(m)].model is not m:
                 self.replays[id(m)] = Replay(m)
         with contextlib.ExitStack() as stack:
             for m in models:
