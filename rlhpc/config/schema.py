@@ -258,6 +258,11 @@ class TrainerConfig:
     # same samples: the batch is split over num_ranks / cp groups (rlhpc/train/context.py). Needs
     # trainer.packing=shared_prefix; composes with trainer.ep. 1: a sequence is on one rank whole.
     cp: int = 1
+    # MoE models: the inference engine records each token's experts per MoE layer, they travel with the tokens in the
+    # queue, and the trainer's forward uses exactly those experts, with routing weights recomputed from the live
+    # router (which still learns): near-tied routing cannot flip between engine and trainer (docs/moe.md). A queue
+    # file without routing (a dense model, the vLLM engine for now) trains with live routing, as does `false`.
+    router_replay: bool = True
     # Save a checkpoint every this many steps (0: only at the end and on a stop signal).
     checkpoint_interval: int = 0
     # Export the final model in Hugging Face format to checkpoints/final.

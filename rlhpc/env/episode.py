@@ -50,6 +50,10 @@ class Episode:
     counts: Dict[str, float] = field(default_factory=dict)
     min_version: Optional[int] = None
     max_version: Optional[int] = None
+    # MoE models with recorded routing: the experts of each token the engine has run through the model so far, as
+    # it first ran it (later turns' prefills run the earlier tokens again; the first run is the one the earlier
+    # turns' logprobs came from), in pieces of [tokens, layers, k], one per turn. None when a turn came without.
+    routing: Optional[List[Any]] = None
 
     @property
     def sampled_tokens(self) -> int:
@@ -178,6 +182,13 @@ def _append_turn(e: Episode, c, max_tokens: int, version: int) -> None:
         keep = max(max_tokens - len(e.ids), 0)
         tokens, logprobs = tokens[:keep], logprobs[:keep]
         e.truncated = e.budget_spent = True
+    routing = getattr(c, "routing", None)
+    if routing is None:
+        e.routing = None
+    elif e.turns == 0:
+        e.routing = [routing]
+    elif e.routing is not None:  # the turn's prompt repeats the episode so far: only its new tokens' experts
+        e.routing.append(routing[sum(len(r) for r in e.routing):])
     e.ids += tokens
     e.logprobs += logprobs
     e.mask += [True] * len(tokens)

@@ -50,6 +50,7 @@ def generate_groups(engine: Engine, env: Environment, pool: EnvPool, tokenizer, 
     flat = [e for g in groups_of_episodes for e in g]
     check_failures(env, flat, env_cfg.max_error_fraction)
     tokens, logprobs, mask, advantages, group_of, lengths = [], [], [], [], [], []
+    routing: Optional[List[torch.Tensor]] = [] if all(e.routing is not None for e in flat) else None
     groups: List[Group] = []
     filtered = 0
     for task, eps in zip(tasks, groups_of_episodes):
@@ -66,6 +67,8 @@ def generate_groups(engine: Engine, env: Environment, pool: EnvPool, tokenizer, 
             advantages.append(a)
             group_of.append(gi)
             lengths.append(len(e.ids))
+            if routing is not None:
+                routing.append(sample_routing(e.routing, len(e.ids)))
         groups.append(
             Group(
                 uid=uuid.uuid4().hex,
@@ -95,8 +98,16 @@ def generate_groups(engine: Engine, env: Environment, pool: EnvPool, tokenizer, 
         advantages=torch.tensor(advantages, dtype=torch.float32),
         group_of=torch.tensor(group_of, dtype=torch.long),
         groups=groups,
+        routing=torch.cat(routing) if routing else None,
     )
     return batch, filtered, stats
+
+
+def sample_routing(pieces: List[torch.Tensor], length: int) -> torch.Tensor:
+    """An episode's routing [length, layers, k] from its turns' pieces: cut to its tokens, and its last token (never
+    an input of the engine) given the experts of the token before it."""
+    routing = torch.cat(pieces)[:length]
+    return torch.cat([routing, routing[-1:].expand(length - routing.shape[0], -1, -1)])
 
 
 def evaluate(engine: Engine, env: Environment, tokenizer, tasks: Sequence[Task], env_cfg: EnvConfig,

@@ -52,8 +52,8 @@ def _run_worker(cfg: Config, ident: Identity, run: RunDir) -> None:
     tokenizer = models.load_tokenizer(run.model)
     seed = cfg.seed * 1000 + rank
     with leading(cfg, ident, run, str(run.model), seed) as instance:  # one instance over several nodes: follower.py
-        engine = make_engine(cfg.inference.engine, str(run.model), cfg.model.dtype, cfg=instance.inference,
-                             run_dir=str(run.root), seed=seed)
+        engine = make_engine(cfg.inference.engine, str(run.model), cfg.model.dtype, cfg.trainer.router_replay,
+                             cfg=instance.inference, run_dir=str(run.root), seed=seed)
         instance.started()
         _run_engine(cfg, ident, run, engine, tokenizer)
 

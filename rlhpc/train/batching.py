@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -105,10 +105,12 @@ class Packed:
     segments: torch.Tensor  # long [R, W]: PREFIX, the j-th sample of the row (j >= 0), or PADDING
     predictors: torch.Tensor  # long [N], flat index (row * W + position) of the hidden state that predicts each target
     targets: torch.Tensor  # long [N]
+    routing: Optional[torch.Tensor] = None  # [R, W, layers, k]: each position's replayed experts (padding: expert 0)
 
     def to(self, device) -> "Packed":
-        return Packed(*(t.to(device) for t in (self.input_ids, self.position_ids, self.segments, self.predictors,
-                                                self.targets)))
+        return Packed(*(t.to(device) if t is not None else None
+                        for t in (self.input_ids, self.position_ids, self.segments, self.predictors, self.targets,
+                                  self.routing)))
 
     def mask(self) -> torch.Tensor:
         """bool [R, 1, W, W], True: attend."""
@@ -117,11 +119,16 @@ class Packed:
 
 
 def pack(rows: Sequence[Row], sequences: Sequence[torch.Tensor], wanted: Sequence[torch.Tensor],
-         pad_id: int) -> Packed:
+         pad_id: int, routings: Optional[Sequence[torch.Tensor]] = None) -> Packed:
     """Packs `rows`. `wanted[i]` (bool, one per position 1..len-1 of sample i) selects the tokens whose logprob is
-    needed; targets come sample by sample in row order, positions ascending (as `mask[:, 1:][mask]` orders them)."""
+    needed; targets come sample by sample in row order, positions ascending (as `mask[:, 1:][mask]` orders them).
+    `routings[i]` ([len, layers, k], optional): sample i's replayed experts, laid out as its tokens are."""
     width = max(r.length(sequences) for r in rows)
     R = len(rows)
+    routing = None
+    if routings is not None:  # padding goes to expert 0: its outputs are never read
+        some = routings[rows[0].samples[0]]
+        routing = torch.zeros((R, width) + tuple(some.shape[1:]), dtype=some.dtype)
     ids = torch.full((R, width), pad_id, dtype=torch.long)
     pos = torch.zeros((R, width), dtype=torch.long)
     seg = torch.full((R, width), PADDING, dtype=torch.long)
@@ -132,6 +139,8 @@ def pack(rows: Sequence[Row], sequences: Sequence[torch.Tensor], wanted: Sequenc
         ids[r, :p] = first[:p]
         pos[r, :p] = torch.arange(p)
         seg[r, :p] = PREFIX
+        if routing is not None:  # the samples share the prefix's tokens; the first one's experts route it
+            routing[r, :p] = routings[row.samples[0]][:p]
         at = p
         for j, i in enumerate(row.samples):
             seq = sequences[i]
@@ -139,6 +148,8 @@ def pack(rows: Sequence[Row], sequences: Sequence[torch.Tensor], wanted: Sequenc
             ids[r, at : at + n - p] = seq[p:]
             pos[r, at : at + n - p] = torch.arange(p, n)
             seg[r, at : at + n - p] = j
+            if routing is not None:
+                routing[r, at : at + n - p] = routings[i][p:]
             # Token t (1 <= t < n) is predicted by the hidden state of token t-1: in the prefix, or in the suffix.
             t = torch.nonzero(wanted[i]).flatten() + 1
             before = t - 1
@@ -148,7 +159,7 @@ def pack(rows: Sequence[Row], sequences: Sequence[torch.Tensor], wanted: Sequenc
             at += n - p
     empty = torch.zeros(0, dtype=torch.long)
     return Packed(ids, pos, seg, torch.cat(predictors) if predictors else empty,
-                  torch.cat(targets) if targets else empty)
+                  torch.cat(targets) if targets else empty, routing)
 
 
 def balance_ranks(lengths: torch.Tensor, group_of: torch.Tensor, world: int) -> List[torch.Tensor]:
@@ -167,13 +178,14 @@ def balance_ranks(lengths: torch.Tensor, group_of: torch.Tensor, world: int) -> 
 
 
 def pad(sequences: Sequence[torch.Tensor], pad_value: float | int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pads 1-d tensors of one dtype into [B, L] (keeping that dtype) and returns it with the attention mask."""
-    width = max(int(s.numel()) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_value, dtype=sequences[0].dtype)
+    """Right-pads tensors [L_i, ...] of one dtype into [B, L, ...] (keeping that dtype) and returns it with the
+    attention mask [B, L]."""
+    width = max(int(s.shape[0]) for s in sequences)
+    ids = torch.full((len(sequences), width) + tuple(sequences[0].shape[1:]), pad_value, dtype=sequences[0].dtype)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, s in enumerate(sequences):
-        ids[i, : s.numel()] = s
-        mask[i, : s.numel()] = 1
+        ids[i, : s.shape[0]] = s
+        mask[i, : s.shape[0]] = 1
     return ids, mask
 
 

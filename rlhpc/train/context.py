@@ -146,7 +146,10 @@ def pad_to_multiple(packed, multiple: int, pad_id: int):
     pos = torch.nn.functional.pad(packed.position_ids, (0, extra), value=0)
     segments = torch.nn.functional.pad(packed.segments, (0, extra), value=PADDING)
     predictors = packed.predictors // W * width + packed.predictors % W
-    return Packed(ids, pos, segments, predictors, packed.targets)
+    routing = packed.routing
+    if routing is not None:  # padding goes to expert 0, as pack's
+        routing = torch.cat([routing, routing.new_zeros((R, extra) + tuple(routing.shape[2:]))], dim=1)
+    return Packed(ids, pos, segments, predictors, packed.targets, routing)
 
 
 @dataclass
@@ -170,7 +173,8 @@ def split(packed: Packed, group: ContextGroup, pad_id: int) -> Split:
     owners = pos // S
     mine = torch.nonzero(owners == group.rank).flatten()
     local = Packed(packed.input_ids[:, lo : lo + S], packed.position_ids[:, lo : lo + S], packed.segments,
-                   row[mine] * S + (pos[mine] - lo), packed.targets[mine])
+                   row[mine] * S + (pos[mine] - lo), packed.targets[mine],
+                   packed.routing[:, lo : lo + S] if packed.routing is not None else None)
     return Split(local, mine, owners, group)
 
 

@@ -4,21 +4,23 @@ the step's statistics reduced over ranks, so every rank reports and decides the 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from contextlib import contextmanager
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from rlhpc.algo import loss as loss_mod
 from rlhpc.algo.loss import LossInputs
-from rlhpc.config.schema import Config
+from rlhpc.config.schema import Config, ConfigError
 from rlhpc.modeling import sparse
 from rlhpc.train import attention, context
 from rlhpc.train.batching import (ATTENTION, NO_CUSTOM_MASK, Packed, balance_ranks, pack, packed_logprobs, pad,
                                   plan_micro_batches, plan_rows, token_logprobs)
 from rlhpc.modeling.models import decoder_blocks
+from rlhpc.modeling.routing import Replay, moe_gates
 from rlhpc.patches.libraries import suppress_compile_errors
 from rlhpc.train.experts import RouterBalance
 from rlhpc.train.guard import BadSteps, nonfinite_advantages, nonfinite_groups, nonfinite_update
@@ -59,6 +61,7 @@ class Step:
         self.bad_steps = bad_steps
         self.loss_fn = loss_mod.get(cfg.algo.name)
         self.balance: Optional[RouterBalance] = None
+        self.replays: Dict[int, Replay] = {}  # routing replay's hooks, by model (the policy, the reference)
         # Context parallelism: the cp consecutive ranks of a context group train the same samples, each on W / cp
         # positions of every packed row (rlhpc/train/context.py); the batch is split over the dp = world / cp groups.
         self.cp = cfg.trainer.cp if world > 1 else 1
@@ -129,43 +132,50 @@ class Step:
         n_loss_tokens = 0
         split = batch.offsets.diff().tolist()
         sequences, loss_masks = batch.tokens.split(split), batch.loss_mask.split(split)
+        routings = batch.routing.split(split) if self.replays_routing(batch, model) else None
+        models = [m for m in (model, reference) if m is not None]
         plan = self.plan(mine, batch.lengths[mine], sequences, batch.group_of, packs(model))
         if self.world > 1:  # every rank runs as many forward/backward passes (FSDP's collectives must pair up)
             n = torch.tensor([len(plan)])
             dist.all_reduce(n, op=dist.ReduceOp.MAX)
             plan += [None] * (int(n) - len(plan))
         balance = self.router_balance(model)
-        loads = self.router_loads(plan, model, balance, mine, batch, sequences, loss_masks, pad_id) if balance else None
+        loads = self.router_loads(plan, model, balance, mine, batch, sequences, loss_masks, routings,
+                                  pad_id) if balance else None
         for mb in plan:
             if mb is None:
                 self.idle_pass(model, pad_id)
                 continue
-            samples, sel, row, logprobs, positions = self.micro_batch(mb, mine, sequences, loss_masks, pad_id)
+            samples, sel, row, logprobs, positions, routing = self.micro_batch(mb, mine, sequences, loss_masks,
+                                                                               routings, pad_id)
             inf_lp, _ = pad([batch.logprobs[batch.offsets[i] : batch.offsets[i + 1]] for i in samples.tolist()], 0)
-            with autocast(cfg.trainer, self.device, model), self.capture(balance) as routers:  # the forward only
-                logp, entropy = logprobs(model, with_entropy=True)
-            inputs = LossInputs(
-                logprobs=logp,
-                inference_logprobs=inf_lp[:, 1:].to(self.device)[sel],
-                advantages=batch.advantages[samples].to(self.device)[row],
-                sample_index=row,
-                num_samples=len(samples),
-            )
-            if reference is not None:
-                with torch.no_grad(), autocast(cfg.trainer, self.device, reference):
-                    inputs.reference_logprobs, _ = logprobs(reference)
-            out = self.loss_fn(inputs, cfg.algo)
-            weight = loss_mod.token_weights(inputs, cfg.algo.normalize, total_tokens, total_samples,
-                                            cfg.env.max_new_tokens)
-            loss = (out.token_loss * weight).sum()  # under CP the same on every rank of the context group
-            total = share * float(loss.detach())
-            if balance is not None:  # under CP each rank's own positions' share
-                aux = balance.term(routers, positions, *loads)
-                loss = loss + aux
-                total += float(aux.detach())
-                sums["loss/router_aux"] = sums.get("loss/router_aux", 0.0) + float(aux.detach())
-            loss = loss * self.world  # FSDP averages gradients over ranks
-            loss.backward()
+            # The recorded experts route the forward, the reference's and, with activation checkpointing, the
+            # forward's recomputation in the backward.
+            with self.replaying(models, routing):
+                with autocast(cfg.trainer, self.device, model), self.capture(balance) as routers:  # the forward only
+                    logp, entropy = logprobs(model, with_entropy=True)
+                inputs = LossInputs(
+                    logprobs=logp,
+                    inference_logprobs=inf_lp[:, 1:].to(self.device)[sel],
+                    advantages=batch.advantages[samples].to(self.device)[row],
+                    sample_index=row,
+                    num_samples=len(samples),
+                )
+                if reference is not None:
+                    with torch.no_grad(), autocast(cfg.trainer, self.device, reference):
+                        inputs.reference_logprobs, _ = logprobs(reference)
+                out = self.loss_fn(inputs, cfg.algo)
+                weight = loss_mod.token_weights(inputs, cfg.algo.normalize, total_tokens, total_samples,
+                                                cfg.env.max_new_tokens)
+                loss = (out.token_loss * weight).sum()  # under CP the same on every rank of the context group
+                total = share * float(loss.detach())
+                if balance is not None:  # under CP each rank's own positions' share
+                    aux = balance.term(routers, positions, *loads)
+                    loss = loss + aux
+                    total += float(aux.detach())
+                    sums["loss/router_aux"] = sums.get("loss/router_aux", 0.0) + float(aux.detach())
+                loss = loss * self.world  # FSDP averages gradients over ranks
+                loss.backward()
             k = int(sel.sum()) * share
             n_loss_tokens += k
             sums["loss/total"] = sums.get("loss/total", 0.0) + total
@@ -214,17 +224,18 @@ class Step:
         sizes = torch.tensor([r.length(sequences) for r in rows], dtype=torch.long)
         return [[rows[k] for k in mb.tolist()] for mb in plan_micro_batches(sizes, budget)]
 
-    def micro_batch(self, mb, mine: torch.Tensor, sequences, loss_masks, pad_id: int):
+    def micro_batch(self, mb, mine: torch.Tensor, sequences, loss_masks, routings, pad_id: int):
         """A planned micro-batch's samples (indices into the step), its loss-token selection `sel` [samples, L-1] and
-        each selected token's sample (`row`), its logprobs function (`logprobs`) and the flat positions of the forward's
-        tokens that predict the selected tokens, in `sel`'s order (a packed row's prompt position once per sample)."""
+        each selected token's sample (`row`), its logprobs function (`logprobs`), the flat positions of the forward's
+        tokens that predict the selected tokens, in `sel`'s order (a packed row's prompt position once per sample),
+        and the experts that route the forward's tokens (None: live routing)."""
         rows = mb if isinstance(mb, list) else None  # packed rows, or sample positions within `mine`
         samples = torch.tensor([i for r in rows for i in r.samples]) if rows is not None else mine[mb]
         masks, _ = pad([loss_masks[i] for i in samples.tolist()], 0)
         sel = masks[:, 1:].bool().to(self.device)
         row = torch.arange(len(samples), device=self.device).unsqueeze(1).expand_as(sel)[sel]
-        logprobs, positions = self.logprobs(rows, samples, sequences, loss_masks, sel, pad_id)
-        return samples, sel, row, logprobs, positions
+        logprobs, positions, routing = self.logprobs(rows, samples, sequences, loss_masks, routings, sel, pad_id)
+        return samples, sel, row, logprobs, positions, routing
 
     def router_balance(self, model: torch.nn.Module) -> Optional[RouterBalance]:
         """The load-balancing term's hooks on `model` when `algo.router_aux_loss_coef` > 0 (made once per model)."""
@@ -235,7 +246,7 @@ class Step:
         return self.balance
 
     def router_loads(self, plan: list, model: torch.nn.Module, balance: RouterBalance, mine: torch.Tensor,
-                     batch: RolloutBatch, sequences, loss_masks, pad_id: int) -> Tuple[torch.Tensor, float]:
+                     batch: RolloutBatch, sequences, loss_masks, routings, pad_id: int) -> Tuple[torch.Tensor, float]:
         """The step's expert assignment counts [E] and rows (positions x MoE layers) over all ranks, from a no-grad
         pass over this rank's micro-batches (the same number of forwards on every rank, like the step's)."""
         counts, rows = 0, 0
@@ -247,8 +258,9 @@ class Step:
                         self.idle_pass(model, pad_id, backward=False)
                         positions = nothing
                     else:
-                        _, _, _, logprobs, positions = self.micro_batch(mb, mine, sequences, loss_masks, pad_id)
-                        with autocast(self.cfg.trainer, self.device, model):
+                        _, _, _, logprobs, positions, routing = self.micro_batch(mb, mine, sequences, loss_masks,
+                                                                                 routings, pad_id)
+                        with autocast(self.cfg.trainer, self.device, model), self.replaying([model], routing):
                             logprobs(model)
                 counts = counts + balance.count(routers, positions)
                 rows += positions.numel() * len(routers)
@@ -256,6 +268,31 @@ class Step:
         if self.world > 1:
             dist.all_reduce(total)
         return total[:-1], max(float(total[-1]), 1.0)
+
+    def replays_routing(self, batch: RolloutBatch, model: torch.nn.Module) -> bool:
+        """Whether this step replays the batch's routing (`trainer.router_replay`, a MoE model, a batch that carries
+        routing)."""
+        if not (self.cfg.trainer.router_replay and batch.routing is not None and moe_gates(model)):
+            return False
+        if self.cfg.trainer.compile:
+            raise ConfigError("config key `trainer.compile`: is not tested with routing replay (its hooks force the "
+                              "routers inside the compiled blocks): set trainer.compile=false or "
+                              "trainer.router_replay=false")
+        return True
+
+    @contextmanager
+    def replaying(self, models: Sequence[torch.nn.Module], routing: Optional[torch.Tensor]):
+        """`models` routed by `routing` (flat over the forward's tokens) inside; live routing with None."""
+        if routing is None:
+            yield
+            return
+        for m in models:
+            if id(m) not in self.replays or self.replays[id(m)].model is not m:
+                self.replays[id(m)] = Replay(m)
+        with contextlib.ExitStack() as stack:
+            for m in models:
+                stack.enter_context(self.replays[id(m)].forcing(routing))
+            yield
 
     @contextmanager
     def capture(self, balance: Optional[RouterBalance]):
@@ -265,25 +302,30 @@ class Step:
             with balance.capture() as routers:
                 yield routers
 
-    def logprobs(self, rows, samples, sequences, loss_masks, sel, pad_id):
+    def logprobs(self, rows, samples, sequences, loss_masks, routings, sel, pad_id):
         """`f(model, with_entropy=False)`: the micro-batch's loss-token logprobs [N] (and entropies) under `model`,
-        in the order of `sel` ([samples, L-1], the loss tokens after the first position); and the flat positions of
-        the forward's tokens that predict them."""
+        in the order of `sel` ([samples, L-1], the loss tokens after the first position); the flat positions of
+        the forward's tokens that predict them; the experts of the forward's tokens [tokens, layers, k] in the order
+        the routers see them, from `routings` (each sample's; None: live routing)."""
         chunk, temperature = self.cfg.trainer.logprob_chunk_tokens, self.cfg.algo.temperature
         if rows is not None:
-            packed = pack(rows, sequences, {i: loss_masks[i][1:] for i in samples.tolist()}, pad_id).to(self.device)
+            packed = pack(rows, sequences, {i: loss_masks[i][1:] for i in samples.tolist()}, pad_id,
+                          routings).to(self.device)
             if self.context is not None:
                 return self.context_logprobs(packed, pad_id)
             return (lambda m, with_entropy=False: packed_logprobs(m, packed, temperature, with_entropy, chunk),
-                    packed.predictors)
+                    packed.predictors, _flat(packed.routing))
         ids, attn = pad([sequences[i] for i in samples.tolist()], pad_id)
         ids, attn = ids.to(self.device), attn.to(self.device)
+        routing = None
+        if routings is not None:  # padding goes to expert 0: its outputs are never read
+            routing = _flat(pad([routings[i] for i in samples.tolist()], 0)[0].to(self.device))
 
         def padded(m, with_entropy=False):
             logp, entropy = token_logprobs(m, ids, attn, temperature, with_entropy=with_entropy, chunk_tokens=chunk)
             return logp[sel], (entropy[sel] if entropy is not None else None)
         # Position t of a sample predicts its token t + 1: sel's columns are positions 0 .. L-2 of each row.
-        return padded, torch.nonzero(torch.nn.functional.pad(sel, (0, 1)).reshape(-1)).flatten()
+        return padded, torch.nonzero(torch.nn.functional.pad(sel, (0, 1)).reshape(-1)).flatten(), routing
 
     def context_logprobs(self, packed: Packed, pad_id: int):
         """`logprobs` of a packed micro-batch under context parallelism: this rank's W / cp positions of each row go
@@ -295,7 +337,7 @@ class Step:
         def f(m, with_entropy=False):
             logp, entropy = packed_logprobs(m, sp.local, temperature, with_entropy, chunk)
             return context.gather(logp, sp), (context.gather(entropy, sp) if entropy is not None else None)
-        return f, sp.local.predictors
+        return f, sp.local.predictors, _flat(sp.local.routing)
 
     def idle_pass(self, model: torch.nn.Module, pad_id: int, backward: bool = True) -> None:
         """A forward (and backward) that adds nothing to the gradients, for a rank with fewer micro-batches than others:
@@ -306,3 +348,8 @@ class Step:
                                      chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
         if backward:
             (logp.sum() * 0.0).backward()
+
+
+def _flat(routing: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """[rows, positions, layers, k] -> [rows x positions, layers, k]: the order a MoE layer's router sees tokens."""
+    return routing.flatten(0, 1) if routing is not None else None

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from rlhpc import env as env_mod
 from rlhpc.config.errors import one_line
 from rlhpc.config.schema import Config
-from rlhpc.modeling import models
+from rlhpc.modeling import models, routing
 from rlhpc.run import cores
 from rlhpc.run.evaluation import Curve, discard_after, read_curve, result_path
 from rlhpc.run.identity import Identity
@@ -150,6 +150,8 @@ class Trainer:
         # Resuming, the DCP checkpoint fills the (sharded) parameters: the Hugging Face weights are not read.
         self.setup_model(load_weights=resume_from is None)
         self.claims.queue.vocab_size = self.model.config.vocab_size  # a file with larger token ids is quarantined
+        if self.cfg.trainer.router_replay:  # and one whose routing does not fit the model's MoE layers
+            self.claims.queue.routing = routing.shape(self.model)
         start = 0
         if resume_from is not None:
             start = checkpoint.load(resume_from, self.model, self.optimizer, self.scheduler)["step"]

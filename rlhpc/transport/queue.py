@@ -14,8 +14,9 @@
     queue/counts.json                            totals over the run: dropped files and groups, quarantined files
     queue/ledger.jsonl                           one line per trained (or skipped) step: the group uids it consumed
 
-A file is a safetensors blob: the samples of many groups packed flat (token ids, inference logprobs, loss mask) with
-offsets, per-sample advantages and rewards, and the groups' metadata as JSON in the header. After a crash, resuming
+A file is a safetensors blob: the samples of many groups packed flat (token ids, inference logprobs, loss mask, and
+for MoE models each token's experts per layer) with offsets, per-sample advantages and rewards, and the groups'
+metadata as JSON in the header. After a crash, resuming
 step k trains on exactly the files in steps/k (validated again: what fails goes to quarantine/). The claims and the
 ledger lines of the steps a checkpoint covers are durable (`sync`, before each checkpoint); a power loss may undo the
 claims of later steps, which the resumed run claims and trains again.
@@ -72,6 +73,10 @@ class RolloutBatch:
     loss_mask:  bool    [T]    True on the tokens the policy generated
     advantages: float32 [S]
     group_of:   int64   [S]    index into `groups` of each sample
+    routing:    uint8 or int16 [T, layers, k], or None: the experts each MoE layer picked for each token when the
+                engine generated it (rlhpc/modeling/routing.py), which the trainer replays; a sample's last token,
+                never an input of the engine, repeats the token before it. None: a dense model, a producer that
+                does not record routing, or a claim of files of which one has none; the trainer routes live.
     """
 
     tokens: torch.Tensor
@@ -81,6 +86,7 @@ class RolloutBatch:
     advantages: torch.Tensor
     group_of: torch.Tensor
     groups: List[Group]
+    routing: Optional[torch.Tensor] = None
 
     @property
     def num_samples(self) -> int:
@@ -100,9 +106,12 @@ class RolloutBatch:
         header: Dict[str, Any] = {}
         buffers, end = [], 0
         for name, dtype in _DTYPES.items():
-            t = getattr(self, name).detach().to("cpu", dtype).contiguous()
+            t = getattr(self, name)
+            if t is None:  # routing, optional
+                continue
+            t = t.detach().to("cpu", dtype or t.dtype).contiguous()
             data = memoryview(t.numpy()).cast("B")
-            header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(t.shape),
+            header[name] = {"dtype": SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape),
                             "data_offsets": [end, end + len(data)]}
             buffers.append(data)
             end += len(data)
@@ -130,7 +139,7 @@ class RolloutBatch:
             t = files[0].tensors
             return cls(tokens=t["tokens"].long(), offsets=t["offsets"], logprobs=t["logprobs"],
                        loss_mask=t["loss_mask"].view(torch.bool), advantages=t["advantages"],
-                       group_of=t["group_of"].long(), groups=files[0].groups)
+                       group_of=t["group_of"].long(), groups=files[0].groups, routing=t.get("routing"))
         ts = [f.tensors for f in files]
         tokens = torch.empty(sum(t["tokens"].numel() for t in ts), dtype=torch.long)
         samples = sum(t["group_of"].numel() for t in ts)
@@ -150,6 +159,7 @@ class RolloutBatch:
             advantages=torch.cat([t["advantages"] for t in ts]),
             group_of=group_of,
             groups=[g for f in files for g in f.groups],
+            routing=_routing([t.get("routing") for t in ts]),
         )
 
     @classmethod
@@ -172,7 +182,15 @@ class RolloutBatch:
             advantages=torch.cat([b.advantages for b in batches]),
             group_of=torch.cat(group_of),
             groups=[g for b in batches for g in b.groups],
+            routing=_routing([b.routing for b in batches]),
         )
+
+
+def _routing(parts: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+    """The routing of batches put together: only if each has one (else the trainer routes the whole step live)."""
+    if any(r is None for r in parts):
+        return None
+    return torch.cat(list(parts))
 
 
 def _safetensors(data: bytearray) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
@@ -217,11 +235,13 @@ def _safetensors(data: bytearray) -> Tuple[Dict[str, Any], Dict[str, torch.Tenso
 
 class _File(NamedTuple):
     """A checked queue file: its tensors as stored (the dtypes of _DTYPES), viewing the bytes it was read into; its
-    groups; its largest token id (checked against the model's vocabulary by the Queue that knows it)."""
+    groups; its largest token id and largest expert id (-1 without routing), checked against the model by the Queue
+    that knows it."""
 
     tensors: Dict[str, torch.Tensor]
     groups: List[Group]
     max_token: int
+    max_expert: int = -1
 
 
 def _check(data: bytearray) -> _File:
@@ -233,6 +253,8 @@ def _check(data: bytearray) -> _File:
     except Exception as e:  # noqa: BLE001 - whatever the bytes make the parsers raise, the file is unreadable
         raise ValueError(f"not a readable rollout file: {type(e).__name__}: {e}") from None
     for name, dtype in _DTYPES.items():
+        if dtype is None:  # routing: optional, checked below
+            continue
         t = tensors.get(name)
         if t is None:
             raise ValueError(f"missing tensor {name!r}")
@@ -265,12 +287,22 @@ def _check(data: bytearray) -> _File:
         raise ValueError("non-finite logprobs")
     if int(tensors["loss_mask"].max()) > 1:
         raise ValueError("loss_mask values other than 0 and 1")
-    return _File(tensors, groups, max_token)
+    routing, max_expert = tensors.get("routing"), -1
+    if routing is not None:
+        if routing.dtype not in (torch.uint8, torch.int16) or routing.dim() != 3 or routing.shape[0] != t \
+                or routing.numel() == 0:
+            raise ValueError(f"tensor 'routing' is {routing.dtype} {list(routing.shape)}, not a uint8 or int16 "
+                             f"[{t} tokens, layers, k]")
+        lo, max_expert = (int(x) for x in torch.aminmax(routing))
+        if lo < 0:
+            raise ValueError("negative expert ids in routing")
+    return _File(tensors, groups, max_token, max_expert)
 
 
 # The tensors of a queue file, in their order on disk (widest first), and their dtypes there (RolloutBatch.to_buffers).
+# routing, optional, keeps its own dtype: uint8 or int16 (rlhpc/modeling/routing.py).
 _DTYPES = {"offsets": torch.int64, "tokens": torch.int32, "logprobs": torch.float32, "advantages": torch.float32,
-           "group_of": torch.int32, "loss_mask": torch.uint8}
+           "group_of": torch.int32, "routing": None, "loss_mask": torch.uint8}
 
 
 def _groups(meta: Any) -> List[Group]:
@@ -343,10 +375,11 @@ class Queue:
 
     `lease_s`: how long an in-flight announcement lives without renewal; `keep_dropped`, `keep_quarantined`: how
     many files dropped/ and quarantine/ keep (the newest; totals are counted in counts.json); `vocab_size`: token ids
-    must be below it (the trainer sets its model's)."""
+    must be below it (the trainer sets its model's); `routing`: (MoE layers, k, experts) that a file's routing must
+    fit (the trainer sets its model's when it replays routing)."""
 
     def __init__(self, root: Path, lease_s: float = 60.0, keep_dropped: int = 100, keep_quarantined: int = 100,
-                 vocab_size: Optional[int] = None):
+                 vocab_size: Optional[int] = None, routing: Optional[Tuple[int, int, int]] = None):
         self.root = Path(root)
         self.pending = self.root / "pending"
         self.steps = self.root / "steps"
@@ -358,6 +391,7 @@ class Queue:
             p.mkdir(parents=True, exist_ok=True)
         self.lease_s = lease_s
         self.vocab_size = vocab_size
+        self.routing = routing
         self._keep = {self.dropped: keep_dropped, self.quarantine: keep_quarantined}
         # Additions since the last pruning of each folder; large, so the first addition prunes what a previous
         # process left.
@@ -752,6 +786,13 @@ class Queue:
                           f"(a file from before a restart from an older checkpoint?)")
         if self.vocab_size is not None and f.max_token >= self.vocab_size:
             return None, f"token id {f.max_token} is beyond the model's vocabulary ({self.vocab_size})"
+        routing = f.tensors.get("routing")
+        if self.routing is not None and routing is not None:
+            layers, k, experts = self.routing
+            if tuple(routing.shape[1:]) != (layers, k) or f.max_expert >= experts:
+                return None, (f"its routing ({routing.shape[1]} MoE layers x {routing.shape[2]} experts per token, "
+                              f"ids up to {f.max_expert}) does not fit the model's ({layers} MoE layers x {k} of "
+                              f"{experts} experts)")
         return f, None
 
     def _read_or_quarantine(self, path: Path, max_version: Optional[int] = None,

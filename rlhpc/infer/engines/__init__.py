@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,6 +22,10 @@ class Completion:
     logprobs: List[float]
     # "stop" when a stop token ended it (the stop token is included in `tokens`), "length" when max_new_tokens did.
     finish_reason: str
+    # MoE models, when the engine records routing (trainer.router_replay): the experts of each token the engine ran
+    # through the model, [prompt + completion tokens - 1, MoE layers, k] (the last sampled token was never an input;
+    # rlhpc/modeling/routing.py).
+    routing: Optional[torch.Tensor] = None
 
 
 class Engine(ABC):
@@ -49,11 +53,15 @@ class Engine(ABC):
         pass
 
 
-def make_engine(kind: str, model_path: str, dtype: str = "float32", **kwargs) -> Engine:
+def make_engine(kind: str, model_path: str, dtype: str = "float32", record_routing: bool = False,
+                **kwargs) -> Engine:
+    """`record_routing` (trainer.router_replay): the transformers engine records a MoE model's routing; vLLM's is not
+    wired yet (docs/moe.md)."""
     if kind == "hf":
         from rlhpc.infer.engines.hf import HFEngine
 
-        return HFEngine.from_pretrained(model_path, dtype=dtype, seed=kwargs.get("seed", 0))
+        return HFEngine.from_pretrained(model_path, dtype=dtype, seed=kwargs.get("seed", 0),
+                                        record_routing=record_routing)
     if kind == "vllm":
         cfg = kwargs.get("cfg")
         if cfg is not None and cfg.disaggregation.enabled:
