@@ -67,7 +67,8 @@ class RemoteEngine(Engine):
                 "model": self.model, "token_ids": list(prompts[i]), "sampling_params": {**params, "n": count}}))
             lo, hi = out.get("min_weights_version"), out.get("weights_version")
             return [ServedCompletion(list(c["token_ids"]), [e["logprob"] for e in c["logprobs"]["content"]],
-                                     "stop" if c["finish_reason"] == "stop" else "length", lo, hi)
+                                     "stop" if c["finish_reason"] == "stop" else "length", min_version=lo,
+                                     max_version=hi)
                     for c in out["choices"]]
 
         groups: List[List[Completion]] = [[] for _ in prompts]
