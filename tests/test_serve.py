@@ -462,3 +462,21 @@ def test_a_serving_port_in_use_is_one_line_naming_the_key(tmp_path):
     assert proc.stderr.strip() == (f"error: config key `inference.serve_port`: cannot serve on 127.0.0.1:{port}: "
                                    "Address already in use")
     assert not (tmp_path / "srv").exists()
+
+
+def test_the_remote_engine_returns_the_servers_tokens_with_the_weights_versions_that_made_them(served, tok):
+    """rlhpc's own client of the token endpoint (the engine of `rlhpc.eval`, and of verifiers' harnesses in training):
+    its completions carry the versions the server reports, and no routing (a served engine records none)."""
+    from rlhpc.infer.engines.remote import RemoteEngine
+
+    server, engine = served
+    remote = RemoteEngine(server.url, TOKEN, "tiny")
+    try:
+        [[a, b]] = remote.generate([tok("hello", add_special_tokens=False)["input_ids"]], n=2, temperature=1.0,
+                                   max_new_tokens=4, stop_token_ids=[tok.eos_token_id])
+    finally:
+        remote.close()
+    version = server.engine.version
+    for c in (a, b):
+        assert len(c.tokens) == len(c.logprobs) > 0 and c.finish_reason in ("stop", "length")
+        assert (c.min_version, c.max_version) == (version, version) and c.routing is None
