@@ -1,10 +1,10 @@
 """A few rollouts of each trained step as text, to read what the policy writes: run_dir/samples.jsonl (one JSON row a
-sample), TensorBoard's text tab (trainer-0, "samples") and a table in each of metrics.trackers. `metrics.samples_per_step` of each step's batch, from as
-many groups, chosen by a generator seeded with the step (a resumed run picks the same ones). Each row: the step that
-trained on it, the weights version that generated it, the environment and task, the sample's reward and advantage,
-whether it was cut at the token limit, and its prompt and completion as the tokenizer decodes them (special tokens
-kept: a tool call and the tool's answer show as the model saw them; in a multi-turn episode the completion holds the
-environment's replies between the model's turns).
+sample), TensorBoard's text tab (trainer-0, "samples") and a table in each of metrics.trackers.
+`metrics.samples_per_step` of each step's batch, from as many groups, chosen by a generator seeded with the step (a
+resumed run picks the same ones). Each row: the step that trained on it, the weights version that generated it, the
+environment and task, the sample's reward and advantage, whether it was cut at the token limit, and its prompt and
+completion as the tokenizer decodes them (special tokens kept: a tool call and the tool's answer show as the model saw
+them; in a multi-turn episode the completion holds the environment's replies between the model's turns).
 
 A run that resumes trains again the steps after its checkpoint: it appends {"resumed": "rl", "step": k}, and the rows
 before that mark with a larger step are an earlier attempt's (`read_samples` leaves them out), as in the metrics."""

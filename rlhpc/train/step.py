@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from rlhpc.algo import loss as loss_mod
 from rlhpc.algo.loss import LossInputs
-from rlhpc.config.schema import Config, ConfigError
+from rlhpc.config.schema import Config
 from rlhpc.modeling import sparse
 from rlhpc.train import attention, context
 from rlhpc.train.batching import (ATTENTION, NO_CUSTOM_MASK, Packed, balance_ranks, pack, packed_logprobs, pad,
@@ -272,13 +272,7 @@ class Step:
     def replays_routing(self, batch: RolloutBatch, model: torch.nn.Module) -> bool:
         """Whether this step replays the batch's routing (`trainer.router_replay`, a MoE model, a batch that carries
         routing)."""
-        if not (self.cfg.trainer.router_replay and batch.routing is not None and moe_gates(model)):
-            return False
-        if self.cfg.trainer.compile:
-            raise ConfigError("config key `trainer.compile`: is not tested with routing replay (its hooks force the "
-                              "routers inside the compiled blocks): set trainer.compile=false or "
-                              "trainer.router_replay=false")
-        return True
+        return bool(self.cfg.trainer.router_replay and batch.routing is not None and moe_gates(model))
 
     @contextmanager
     def replaying(self, models: Sequence[torch.nn.Module], routing: Optional[torch.Tensor]):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from rlhpc import env as env_mod
 from rlhpc.config.errors import one_line
-from rlhpc.config.schema import Config
+from rlhpc.config.schema import Config, ConfigError
 from rlhpc.modeling import models, routing
 from rlhpc.run import cores
 from rlhpc.run.evaluation import Curve, discard_after, read_curve, result_path
@@ -152,6 +152,10 @@ class Trainer:
         self.claims.queue.vocab_size = self.model.config.vocab_size  # a file with larger token ids is quarantined
         if self.cfg.trainer.router_replay:  # and one whose routing does not fit the model's MoE layers
             self.claims.queue.routing = routing.shape(self.model)
+            if self.claims.queue.routing is not None and self.cfg.trainer.compile:
+                raise ConfigError("config key `trainer.compile`: is not tested with routing replay (its hooks force "
+                                  "the routers inside the compiled blocks): set trainer.compile=false or "
+                                  "trainer.router_replay=false")
         start = 0
         if resume_from is not None:
             start = checkpoint.load(resume_from, self.model, self.optimizer, self.scheduler)["step"]
