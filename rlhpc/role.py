@@ -43,7 +43,8 @@ def main() -> int:
     setup_logging(run, ident, cfg.log_level)
     install_stop_handlers()
     log = logging.getLogger("rlhpc.role")
-    log.info("starting %s rank %d/%d pid %d in %s", ident.role, ident.rank, ident.size, os.getpid(), run.root)
+    log.info("starting %s rank %d/%d pid %d in %s%s", ident.role, ident.rank, ident.size, os.getpid(), run.root,
+             " (forked from the launcher's preload process)" if os.environ.get("RLHPC_PRELOADED") else "")
     try:
         if ident.role == "trainer":
             from rlhpc.infer.rollout import evaluator
@@ -87,8 +88,8 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = main()
+def finish(code: int) -> None:
+    """Ends a role process with `code` once its logs are out (never returns)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -97,3 +98,13 @@ if __name__ == "__main__":
         vllm_module.remove_temp_folders()  # os._exit skips atexit
     # Skip interpreter teardown: a communication thread blocked inside gloo/NCCL would abort the process there.
     os._exit(code)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--preload"]:  # the local launcher's preload process: forks roles (rlhpc/run/preload.py)
+        from rlhpc.run.preload import serve
+
+        sys.modules.setdefault("rlhpc.role", sys.modules["__main__"])
+        serve(main, finish)
+        sys.exit(0)
+    finish(main())

@@ -12,6 +12,7 @@ import pytest
 
 from rlhpc.config import schema as config_mod
 from rlhpc.config.schema import ConfigError
+from faults import role_pid
 from test_launch import SMALL, rlhpc_processes
 
 
@@ -26,14 +27,6 @@ def test_restarts_are_accepted_with_either_transport_and_the_member_timeout_is_c
     cfg = config_mod.to_typed({"run_dir": "/tmp/x", "weights": {"member_timeout_s": 0}})
     with pytest.raises(ConfigError, match="weights.member_timeout_s"):
         config_mod.validate(cfg)
-
-
-def role_pid(run_dir, role, rank):
-    for pid in rlhpc_processes(run_dir, roles_only=True):
-        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        if f"RLHPC_ROLE={role}".encode() in env and f"RLHPC_RANK={rank}".encode() in env:
-            return pid
-    return None
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import pytest
 
 from rlhpc.run.evaluation import read_curve
 from rlhpc.run.metrics import read_rows
+from rlhpc.run.preload import PRELOAD_NAME
 from rlhpc.run.rundir import RunDir
 from test_weights_members import alarms
 
@@ -36,7 +37,7 @@ def alarming_logs(run_dir) -> str:
 
 def rlhpc_processes(run_dir, roles_only: bool = False) -> list:
     """PIDs of processes started for `run_dir` (found by their environment): the roles and their helpers (each
-    inference worker's environment pool), or the roles only."""
+    inference worker's environment pool, the launcher's preload process), or the roles only."""
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -47,7 +48,8 @@ def rlhpc_processes(run_dir, roles_only: bool = False) -> list:
             continue
         if f"RLHPC_RUN_DIR={run_dir}".encode() in environ:
             try:
-                if roles_only and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if roles_only and (b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                                   or Path(f"/proc/{pid}/comm").read_text().strip() == PRELOAD_NAME):
                     continue
             except OSError:
                 continue
@@ -140,7 +142,8 @@ def test_on_a_stop_the_trainer_gets_its_grace_to_checkpoint_and_a_second_ctrl_c_
     save (here 3 s of work: it exits 75, not killed); a second Ctrl-C (`cut`) kills at once."""
     from rlhpc.cluster.local_launcher import LocalLauncher
 
-    launcher = LocalLauncher.__new__(LocalLauncher)
+    launcher = LocalLauncher.__new__(LocalLauncher)  # its ending alone: no config, no preload process
+    launcher.preload = None
     launcher.procs = slow_roles(tmp_path, [("trainer", 3), ("inference", 0)])
     t0 = time.time()
     launcher.end_all(grace_s=1, trainer_grace_s=30)

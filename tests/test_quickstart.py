@@ -32,6 +32,9 @@ def test_the_quick_start_learns_and_rl_raises_held_out_reward(quickstart_run):
     # What the user sees at the end: the table on the terminal, logs per role, TensorBoard per role, the HF export.
     assert "held-out reward after RL" in proc.stdout
     assert {p.name for p in (run_dir / "logs").glob("*.log")} == {"trainer-0.log", "inference-0.log", "inference-1.log"}
+    # Each role forked from the launcher's preload process, which imported torch and transformers once.
+    for log in (run_dir / "logs").glob("*.log"):
+        assert "(forked from the launcher's preload process)" in log.read_text(), log.name
     # The workers only wait for the warm start's model: it takes their threads too (rlhpc/run/cores.py).
     assert f"warm start on {min(3, cores())} thread(s)" in (run_dir / "logs" / "trainer-0.log").read_text()
     found = alarming_logs(run_dir)

@@ -15,11 +15,12 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import IO, Callable, Dict, List, Optional
+from typing import IO, Callable, Dict, List, Optional, Union
 
 from rlhpc.cluster.restarts import Death, RestartPolicy, decide, last_line
 from rlhpc.config.disaggregation import describe as disagg_describe
 from rlhpc.config.schema import Config
+from rlhpc.run.preload import Forked, Preload, PreloadError
 from rlhpc.run.procs import LOG_START, exit_code, free_port, on_stop_signals, tail
 from rlhpc.run.rundir import RunDir, out_of_space_advice, read_json, space_problem, write_json
 
@@ -29,7 +30,7 @@ class Proc:
     role: str
     rank: int
     size: int
-    popen: subprocess.Popen
+    popen: Union[subprocess.Popen, Forked]  # Forked: from the preload process (rlhpc/run/preload.py)
     log: IO
 
     @property
@@ -78,6 +79,9 @@ class LocalLauncher:
         self.deaths: Dict[str, List[Death]] = {}  # name -> its deaths, oldest first (rlhpc.cluster.restarts)
         self.due: Dict[str, float] = {}  # name of a dead worker -> when its back-off ends and it starts again
         self.env: dict = {}  # added to every role's environment (attached workers: rlhpc.cluster.attach)
+        self.preload: Optional[Preload] = None  # started at the first spawn where launcher.preload is on
+        self.preload_failed = not cfg.launcher.preload
+        self.stopping: Callable[[], bool] = lambda: False  # a stop signal came: a wait for the preload process ends
 
     def test_allocation(self) -> None:
         """Nothing to ask a scheduler: local processes (SlurmLauncher.test_allocation)."""
@@ -97,23 +101,37 @@ class LocalLauncher:
         ) + "".join("\n" + line for line in disagg_describe(c.inference))
 
     def spawn(self, run: RunDir, role: str, rank: int, size: int, extra_env: dict) -> Proc:
-        env = dict(os.environ)
-        env.update(
-            RLHPC_ROLE=role, RLHPC_RANK=str(rank), RLHPC_ROLE_SIZE=str(size), RLHPC_RUN_DIR=str(run.root),
-            RLHPC_ATTEMPT=self.attempt, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.cfg.trainer.threads),
-            **local_gpus(self.cfg, role, rank), **self.env, **extra_env,
-        )
+        base = dict(os.environ)
+        base.update(RLHPC_RUN_DIR=str(run.root), PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.cfg.trainer.threads),
+                    **self.env)
+        env = dict(base, RLHPC_ROLE=role, RLHPC_RANK=str(rank), RLHPC_ROLE_SIZE=str(size), RLHPC_ATTEMPT=self.attempt,
+                   **local_gpus(self.cfg, role, rank), **extra_env)
         run.error_file(role, rank).unlink(missing_ok=True)  # an error of an earlier life is not this one's
-        log = open(run.log_file(role, rank), "ab")
+        path = run.log_file(role, rank)
+        log = open(path, "ab")
         restart = extra_env.get("RLHPC_RESTART")
         log.write(f"{LOG_START} {role}-{rank} at {time.strftime('%Y-%m-%d %H:%M:%S')} (launch {self.attempt}"
                   f"{f', restart {restart}' if restart else ''})\n".encode())
         log.flush()
+        if not self.preload_failed:
+            try:
+                if self.preload is None:
+                    self.preload = Preload(base, run.logs / "preload.txt")
+                return Proc(role, rank, size, self.preload.spawn(env, path, self.stopping), log)
+            except PreloadError as e:
+                print(f"launcher.preload: {e}; starting each role as a new process", file=sys.stderr, flush=True)
+                self.preload_failed = True
+                self.end_preload()
         popen = subprocess.Popen(
             [sys.executable, "-m", "rlhpc.role"], env=env, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,  # its own process group, ended as one
         )
         return Proc(role, rank, size, popen, log)
+
+    def end_preload(self) -> None:
+        if self.preload is not None:
+            self.preload.close()
+            self.preload = None
 
     def start(self, run: RunDir) -> int:
         self.attempt = f"{int(time.time())}-{os.getpid()}"
@@ -127,6 +145,7 @@ class LocalLauncher:
             stop["signal"] = stop["signal"] or signum
 
         old = on_stop_signals(on_signal)
+        self.stopping = lambda: stop["signal"] is not None
         try:
             port = free_port()
             master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -303,6 +322,7 @@ class LocalLauncher:
             if p.popen.poll() is None:
                 p.popen.wait(timeout=5)
             p.log.close()
+        self.end_preload()
 
 
 def _killpg(pid: int, sig: int) -> None:
