@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import IO, Callable, Dict, List, Optional, Union
 
 from rlhpc.cluster.restarts import Death, RestartPolicy, decide, last_line
+from rlhpc.cluster.watchdog import HangWatch, inspect, waits_on_workers
 from rlhpc.config.disaggregation import describe as disagg_describe
 from rlhpc.config.schema import Config
 from rlhpc.run.preload import Forked, Preload, PreloadError
@@ -116,7 +117,8 @@ class LocalLauncher:
         if not self.preload_failed:
             try:
                 if self.preload is None:
-                    self.preload = Preload(base, run.logs / "preload.txt")
+                    # A GPU check in its imports asks NVML, which leaves CUDA usable in the forked roles.
+                    self.preload = Preload(dict(base, PYTORCH_NVML_BASED_CUDA_CHECK="1"), run.logs / "preload.txt")
                 return Proc(role, rank, size, self.preload.spawn(env, path, self.stopping), log)
             except PreloadError as e:
                 print(f"launcher.preload: {e}; starting each role as a new process", file=sys.stderr, flush=True)
@@ -181,6 +183,7 @@ class LocalLauncher:
         cfg = self.cfg
         bar = _Progress(cfg) if cfg.launcher.progress else None
         trainers = [p for p in self.procs if p.role == "trainer"]
+        hang = HangWatch(cfg.cluster.hang_timeout_s, run)
         try:
             while True:
                 if stop["signal"] is not None:
@@ -213,12 +216,54 @@ class LocalLauncher:
                 if cfg.launcher.timeout_s and time.time() - t0 > cfg.launcher.timeout_s:
                     print(f"\nlauncher.timeout_s={cfg.launcher.timeout_s:.0f}s reached; ending all roles", file=sys.stderr)
                     return 124
+                if hang.due() and not self.on_hang(run, hang, t0):
+                    return 1
                 if bar:
                     bar.update(run)
                 time.sleep(0.2)
         finally:
             if bar:
                 bar.close()
+
+    def on_hang(self, run: RunDir, hang: HangWatch, t0: float) -> bool:
+        """The trainer's heartbeat stood still for the hang timeout: report where every role is; kill the stuck workers
+        for the restart policy (True: the run goes on) or end the run (False), naming the cause in status/FAILED."""
+        timeout = hang.timeout_s()
+        found = inspect(run, {p.name: p.popen.pid for p in self.procs if p.popen.poll() is None})
+        print(f"\nhang: the trainer's heartbeat has not changed for {timeout:.0f}s (cluster.hang_timeout_s="
+              f"{self.cfg.cluster.hang_timeout_s:g}); every role's stacks are in its log. Where each is:\n  "
+              + "\n  ".join(s.line() for s in found), file=sys.stderr, flush=True)
+        trainer = next((s for s in found if s.name == "trainer-0"), None)
+        now = time.time()
+
+        def silent_s(name: str) -> float:
+            try:
+                return now - (run.status / f"{name}.json").stat().st_mtime
+            except OSError:
+                return now - t0
+
+        workers = [s for s in found if s.name.startswith(("inference-", "follower-"))
+                   and (s.state == "stopped" or silent_s(s.name) > timeout)]
+        if trainer is not None and waits_on_workers(trainer) and workers and self.cfg.inference.max_restarts:
+            names = ", ".join(s.name for s in workers)
+            print(f"hang: the trainer waits on the inference workers; killing {names} (no rollouts for {timeout:.0f}s or "
+                  f"stopped) for inference.max_restarts to start again", file=sys.stderr, flush=True)
+            for s in workers:
+                _killpg(s.pid, signal.SIGKILL)
+            hang.again()
+            return True
+        cause = trainer or (found[0] if found else None)
+        error = (f"hung: the trainer's heartbeat did not change for {timeout:.0f}s (cluster.hang_timeout_s); "
+                 + "; ".join(s.line() for s in found))
+        try:
+            write_json(run.failed, {"role": "trainer", "rank": 0, "error": error,
+                                    **({"then": read_json(run.failed)} if run.failed.exists() else {})},
+                       durable=False)
+        except OSError:
+            pass  # a full disk: reported on its own (space_problem)
+        print(f"hang: ending the run{'' if cause is None else ' (' + cause.line() + ')'}; the same command resumes "
+              f"it from its newest checkpoint", file=sys.stderr, flush=True)
+        return False
 
     def restart(self, run: RunDir, p: Proc) -> bool:
         """Decides on a dead inference worker (or follower): True if it is to be started again (by start_due, once its

@@ -550,6 +550,11 @@ class ClusterConfig:
     # Seconds before the time limit at which Slurm sends SIGUSR1 to the batch shell (forwarded to the roles: the
     # trainer checkpoints and the job requeues). Slurm may send it up to a minute early.
     grace_s: int = 120
+    # launcher=local: seconds the trainer's heartbeat (each RL step and checkpoint, from the first RL step on) may stand
+    # still before the launcher calls the run hung, at least 20 times the slowest recent step (0: never). It then writes every role's
+    # Python stacks into its log, names where each waits, and kills stuck inference workers for the restart policy to
+    # start again (the trainer waiting for rollouts), or ends the run, resumable (rlhpc/cluster/watchdog.py).
+    hang_timeout_s: float = 900.0
     trainer: SlurmGroupConfig = field(default_factory=SlurmGroupConfig)
     inference: SlurmGroupConfig = field(default_factory=SlurmGroupConfig)
     # Shell lines run in the batch script before the roles start (module load, conda activate, exports).
@@ -779,6 +784,7 @@ def validate(cfg: Config) -> None:
     need(cfg.queue.keep_quarantined >= 0, "queue.keep_quarantined", "must be >= 0")
     need(cfg.inference.idle_timeout_s >= 0, "inference.idle_timeout_s", "must be >= 0 (0: wait forever)")
     need(cfg.inference.max_restarts >= 0, "inference.max_restarts", "must be >= 0")
+    need(cfg.cluster.hang_timeout_s >= 0, "cluster.hang_timeout_s", "must be >= 0 (0: no hang watchdog)")
     need(cfg.inference.restart_window_s >= 0, "inference.restart_window_s", "must be >= 0 (0: the whole run)")
     need(cfg.inference.restart_backoff_s >= 0, "inference.restart_backoff_s", "must be >= 0")
     need(cfg.weights.member_timeout_s > 0, "weights.member_timeout_s", "must be > 0")

@@ -167,13 +167,25 @@ def serve(role_main: Callable[[], int], finish: Callable[[int], None]) -> None:
     say({"ready": True})
     for line in requests:
         request = json.loads(line)
-        if threading.active_count() > 1:  # a Python thread would not survive the fork with its locks
-            say({"error": f"the preload process runs {threading.active_count()} Python threads"})
+        unsafe = _unsafe_to_fork()
+        if unsafe:
+            say({"error": unsafe})
             continue
         try:
             say({"pid": _fork_role(request, role_main, finish)})
         except OSError as e:
             say({"error": repr(e)})
+
+
+def _unsafe_to_fork() -> str:
+    """Why a fork of this process would give a broken role, or "": a Python thread (its locks do not survive the fork)
+    or CUDA initialized by the imports (a forked child cannot use it)."""
+    if threading.active_count() > 1:
+        return f"the preload process runs {threading.active_count()} Python threads"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "importing the roles' libraries initialized CUDA"
+    return ""
 
 
 def _fork_role(request: dict, role_main: Callable[[], int], finish: Callable[[int], None]) -> int:
