@@ -38,6 +38,21 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = F
 
         return attach(cfg, overrides)
     config_mod.validate(cfg)
+    warm = None
+    if cfg.launcher.name == "local" and not cfg.dry_run:
+        from rlhpc.cluster.local_launcher import LocalLauncher
+
+        # The roles' preload process imports torch and transformers while the checks below run (rlhpc/run/preload.py).
+        warm = LocalLauncher(cfg)
+        warm.start_preload(Path(cfg.run_dir))
+    try:
+        return _launch(cfg, overrides, new_run, warm)
+    finally:
+        if warm is not None:
+            warm.end_preload()  # a refused launch's; a started one's ended with its roles
+
+
+def _launch(cfg: Config, overrides: Optional[List[str]], new_run: bool, warm: Any) -> int:
     # The model, the environment and the loss, before anything starts (a dry run may plan for a model.path that only
     # the cluster's filesystem holds).
     preflight.check(cfg, model=not cfg.dry_run)
@@ -47,7 +62,7 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = F
         from rlhpc.cluster.slurm_launcher import SlurmLauncher as Launcher  # type: ignore[no-redef]
     else:
         from rlhpc.cluster.sbatch_launcher import SbatchLauncher as Launcher  # type: ignore[no-redef]
-    launcher = Launcher(cfg)
+    launcher = _adopt(Launcher(cfg), warm)
     fit = memory.plan(cfg)  # the device mesh, the memory per GPU (or CPU process); refused if it cannot fit or divide
     # Slurm's own verdict on the job (sbatch --test-only), where Slurm answers: a partition that does not exist, more
     # nodes than it has, ... (not asked for a job only written, or where no Slurm answers); and a cluster.python the
@@ -67,7 +82,8 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = F
         raise ConfigError(slurm)
     if new_run:
         cfg.run_dir = str(run_setup.new_run_dir(Path(cfg.run_dir)))
-        launcher = Launcher(cfg)  # placed in the folder made
+        launcher = _adopt(Launcher(cfg), warm)  # placed in the folder made (a preload process started for the
+        # folder's first name is replaced at the first spawn if the name changed)
     with run_setup.launch_lock(Path(cfg.run_dir)):
         run = prepare_run_dir(cfg)
         trackers.prepare(cfg, run)  # the tracker runs every role writes to (an earlier launch's, continued)
@@ -75,6 +91,13 @@ def launch(cfg: Config, overrides: Optional[List[str]] = None, new_run: bool = F
     if cfg.launcher.name == "local" and code in map(exit_code, STOP_SIGNALS):  # stopped: the roles have ended
         print(stopped_note(run, cfg, overrides), file=sys.stderr)
     return code
+
+
+def _adopt(launcher: Any, warm: Any) -> Any:
+    """The local launcher that starts the roles takes the preload process `warm` started before the checks."""
+    if warm is not None:
+        launcher.preload, launcher.preload_failed = warm.preload, warm.preload_failed
+    return launcher
 
 
 def stopped_note(run: RunDir, cfg: Config, overrides: Optional[List[str]]) -> str:

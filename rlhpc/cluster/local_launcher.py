@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Callable, Dict, List, Optional, Union
 
 from rlhpc.cluster.restarts import Death, RestartPolicy, decide, last_line
@@ -101,10 +102,27 @@ class LocalLauncher:
             f"  steps: sft={c.sft.steps} rl={c.trainer.steps} async_level={c.async_level}"
         ) + "".join("\n" + line for line in disagg_describe(c.inference))
 
+    def base_env(self, root: Path) -> dict:
+        """The environment every role of the run in `root` shares (the preload process's too)."""
+        env = dict(os.environ)
+        env.update(RLHPC_RUN_DIR=str(root), PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.cfg.trainer.threads),
+                   **self.env)
+        return env
+
+    def start_preload(self, root: Path, stderr: Optional[Path] = None) -> None:
+        """Starts the preload process for the run in `root` (rlhpc/run/preload.py); `rlhpc.launch` calls it before its
+        checks, so that its imports overlap them. Where it cannot start, roles are new interpreters."""
+        if self.preload_failed or self.preload is not None:
+            return
+        try:
+            # A GPU check in its imports asks NVML, which leaves CUDA usable in the forked roles.
+            self.preload = Preload(dict(self.base_env(root), PYTORCH_NVML_BASED_CUDA_CHECK="1"), stderr)
+        except (PreloadError, OSError) as e:
+            print(f"launcher.preload: {e}; starting each role as a new process", file=sys.stderr, flush=True)
+            self.preload_failed = True
+
     def spawn(self, run: RunDir, role: str, rank: int, size: int, extra_env: dict) -> Proc:
-        base = dict(os.environ)
-        base.update(RLHPC_RUN_DIR=str(run.root), PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.cfg.trainer.threads),
-                    **self.env)
+        base = self.base_env(run.root)
         env = dict(base, RLHPC_ROLE=role, RLHPC_RANK=str(rank), RLHPC_ROLE_SIZE=str(size), RLHPC_ATTEMPT=self.attempt,
                    **local_gpus(self.cfg, role, rank), **extra_env)
         run.error_file(role, rank).unlink(missing_ok=True)  # an error of an earlier life is not this one's
@@ -114,11 +132,11 @@ class LocalLauncher:
         log.write(f"{LOG_START} {role}-{rank} at {time.strftime('%Y-%m-%d %H:%M:%S')} (launch {self.attempt}"
                   f"{f', restart {restart}' if restart else ''})\n".encode())
         log.flush()
-        if not self.preload_failed:
+        if self.preload is not None and self.preload.env.get("RLHPC_RUN_DIR") != base["RLHPC_RUN_DIR"]:
+            self.end_preload()  # started for another folder (a run_dir renamed after it started)
+        self.start_preload(run.root, run.logs / "preload.txt")
+        if self.preload is not None:
             try:
-                if self.preload is None:
-                    # A GPU check in its imports asks NVML, which leaves CUDA usable in the forked roles.
-                    self.preload = Preload(dict(base, PYTORCH_NVML_BASED_CUDA_CHECK="1"), run.logs / "preload.txt")
                 return Proc(role, rank, size, self.preload.spawn(env, path, self.stopping), log)
             except PreloadError as e:
                 print(f"launcher.preload: {e}; starting each role as a new process", file=sys.stderr, flush=True)

@@ -27,6 +27,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -95,15 +96,18 @@ class Forked:
 class Preload:
     """The launcher's side: starts the preload process and asks it for roles."""
 
-    def __init__(self, env: dict, stderr: Path):
+    def __init__(self, env: dict, stderr: Optional[Path] = None):
+        """`stderr`: where the preload process's own errors go (None: a temporary file, quoted in a PreloadError)."""
         if not become_subreaper():
             raise PreloadError("this system cannot adopt forked roles (PR_SET_CHILD_SUBREAPER)")
-        self.err: IO = open(stderr, "ab")
+        self.env = env
+        self.err: IO = open(stderr, "ab+") if stderr is not None else tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rlhpc.role", "--preload"], env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self.err, start_new_session=True,
         )
         self.ready = False
+        self.closed = False
 
     def _reply(self, timeout_s: float, what: str, cancel: Callable[[], bool]) -> dict:
         out = self.proc.stdout
@@ -117,8 +121,8 @@ class Preload:
                 return json.loads(line)
         code = self.proc.poll()
         if code is not None:
-            raise PreloadError(f"the preload process exited with code {code} before it could {what} (its errors: "
-                               f"{self.err.name})")
+            raise PreloadError(f"the preload process exited with code {code} before it could {what}: "
+                               f"{self._errors() or 'it printed nothing'}")
         raise PreloadError(f"the preload process did not {what} within {timeout_s:.0f}s")
 
     def spawn(self, env: dict, log: Path, cancel: Callable[[], bool] = lambda: False) -> Forked:
@@ -138,8 +142,20 @@ class Preload:
             raise PreloadError(f"the preload process could not fork a role: {reply.get('error')}")
         return Forked(reply["pid"])
 
+    def _errors(self) -> str:
+        """The last lines the preload process wrote to its stderr."""
+        try:
+            self.err.flush()
+            self.err.seek(0)
+            return " | ".join(self.err.read().decode(errors="replace").strip().splitlines()[-3:])
+        except (OSError, ValueError):
+            return ""
+
     def close(self) -> None:
-        """Ends the preload process (its roles live on: they are this process's children now)."""
+        """Ends the preload process (its roles live on: they are this process's children now). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
