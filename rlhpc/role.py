@@ -44,7 +44,7 @@ def main() -> int:
     cfg = config_mod.load(os.environ.get("RLHPC_CONFIG_DIR") or run.root)
     setup_logging(run, ident, cfg.log_level)
     install_stop_handlers()
-    # Every thread's stack into this log on SIGUSR2: the launcher's hang watchdog asks for it (rlhpc/cluster/watchdog.py).
+    # Every thread's stack into this log on SIGUSR2: the launcher's hang watchdog asks for it (cluster/watchdog.py).
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     log = logging.getLogger("rlhpc.role")
     log.info("starting %s rank %d/%d pid %d in %s%s", ident.role, ident.rank, ident.size, os.getpid(), run.root,

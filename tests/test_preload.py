@@ -55,5 +55,6 @@ def test_a_forked_role_is_the_launchers_child_with_its_exit_status_and_a_dead_pr
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out["code"] == 1
-    assert f"is `{tmp_path / 'none'}` a run directory written by rlhpc.launch?" in (tmp_path / "failing.log").read_text()
+    log = (tmp_path / "failing.log").read_text()
+    assert f"is `{tmp_path / 'none'}` a run directory written by rlhpc.launch?" in log
     assert out["error"].startswith("the preload process exited with code -9 before it could import"), out

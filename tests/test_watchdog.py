@@ -4,6 +4,7 @@ trainer ends the run naming it."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,23 +85,31 @@ def wait_steps(run_dir, n, timeout=180):
     raise TimeoutError(f"{n} steps not trained within {timeout}s")
 
 
+def freeze_after(run_dir, roles, *overrides, steps_first=12):
+    """A launch with a 4 s hang floor whose `roles` are stopped with SIGSTOP once `steps_first` steps are trained; it is
+    then followed to its end: (the launcher's process, its stderr)."""
+    p = start(run_dir, *overrides)
+    try:
+        wait_steps(run_dir, steps_first)
+        for role, rank in roles:
+            os.kill(role_pid(run_dir, role, rank), signal.SIGSTOP)
+        _, err = p.communicate(timeout=300)
+    finally:
+        end(p)
+    return p, err
+
+
 @pytest.mark.slow
 def test_a_stopped_trainer_ends_the_run_naming_it_with_every_roles_stack_in_its_log(tmp_path):
     run_dir = tmp_path / "run"
-    p = start(run_dir, "trainer.steps=400", "trainer.checkpoint_interval=5")
-    try:
-        wait_steps(run_dir, 14)
-        os.kill(role_pid(run_dir, "trainer", 0), signal.SIGSTOP)
-        _, err = p.communicate(timeout=180)
-    finally:
-        end(p)
+    p, err = freeze_after(run_dir, [("trainer", 0)], "trainer.steps=400", "trainer.checkpoint_interval=5")
     assert p.returncode == 1, err[-3000:]
     assert "hang: the trainer's heartbeat has not changed for" in err
     assert "trainer-0 (pid" in err and "is stopped (SIGSTOP or a debugger)" in err
     assert "the same command resumes it from its newest checkpoint" in err
     for name in ("inference-0", "inference-1"):  # running workers: their stacks, and where they are, named
         assert "(most recent call first)" in (run_dir / "logs" / f"{name}.log").read_text()
-        assert f"{name} (pid" in err and " is in rlhpc/" in err
+        assert re.search(rf"{name} \(pid \d+\) is in rlhpc/\S+\.py:\d+ ", err), err[-3000:]
     failed = json.loads((run_dir / "status" / "FAILED").read_text())
     assert failed["role"] == "trainer" and failed["error"].startswith("hung:")
     assert rlhpc_processes(run_dir) == []
@@ -111,14 +120,8 @@ def test_stopped_workers_are_killed_and_restarted_and_the_run_trains_every_step_
     run_dir = tmp_path / "run"
     steps = 30
     # Weights through files: the trainer goes on to wait for rollouts, not inside a collective with stopped members.
-    p = start(run_dir, f"trainer.steps={steps}", "weights.transport=filesystem", "queue.lease_s=5")
-    try:
-        wait_steps(run_dir, 12)
-        for rank in (0, 1):
-            os.kill(role_pid(run_dir, "inference", rank), signal.SIGSTOP)
-        _, err = p.communicate(timeout=300)
-    finally:
-        end(p)
+    p, err = freeze_after(run_dir, [("inference", 0), ("inference", 1)], f"trainer.steps={steps}",
+                          "weights.transport=filesystem", "queue.lease_s=5")
     assert p.returncode == 0, err[-3000:]
     assert "hang: the trainer waits on the inference workers; killing inference-0, inference-1" in err
     assert "trainer-0 (pid" in err and "is in rlhpc/transport/queue.py" in err

@@ -118,8 +118,7 @@ class LocalLauncher:
             # A GPU check in its imports asks NVML, which leaves CUDA usable in the forked roles.
             self.preload = Preload(dict(self.base_env(root), PYTORCH_NVML_BASED_CUDA_CHECK="1"), stderr)
         except (PreloadError, OSError) as e:
-            print(f"launcher.preload: {e}; starting each role as a new process", file=sys.stderr, flush=True)
-            self.preload_failed = True
+            self.no_preload(e)
 
     def spawn(self, run: RunDir, role: str, rank: int, size: int, extra_env: dict) -> Proc:
         base = self.base_env(run.root)
@@ -139,14 +138,18 @@ class LocalLauncher:
             try:
                 return Proc(role, rank, size, self.preload.spawn(env, path, self.stopping), log)
             except PreloadError as e:
-                print(f"launcher.preload: {e}; starting each role as a new process", file=sys.stderr, flush=True)
-                self.preload_failed = True
-                self.end_preload()
+                self.no_preload(e)
         popen = subprocess.Popen(
             [sys.executable, "-m", "rlhpc.role"], env=env, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,  # its own process group, ended as one
         )
         return Proc(role, rank, size, popen, log)
+
+    def no_preload(self, why: Exception) -> None:
+        """The preload process cannot serve: said once, and every role from now on is a new interpreter."""
+        print(f"launcher.preload: {why}; starting each role as a new process", file=sys.stderr, flush=True)
+        self.preload_failed = True
+        self.end_preload()
 
     def end_preload(self) -> None:
         if self.preload is not None:
@@ -264,8 +267,8 @@ class LocalLauncher:
                    and (s.state == "stopped" or silent_s(s.name) > timeout)]
         if trainer is not None and waits_on_workers(trainer) and workers and self.cfg.inference.max_restarts:
             names = ", ".join(s.name for s in workers)
-            print(f"hang: the trainer waits on the inference workers; killing {names} (no rollouts for {timeout:.0f}s or "
-                  f"stopped) for inference.max_restarts to start again", file=sys.stderr, flush=True)
+            print(f"hang: the trainer waits on the inference workers; killing {names} (no rollouts for {timeout:.0f}s "
+                  f"or stopped) for inference.max_restarts to start again", file=sys.stderr, flush=True)
             for s in workers:
                 _killpg(s.pid, signal.SIGKILL)
             hang.again()

@@ -2,13 +2,13 @@
 sit.
 
 The trainer writes its heartbeat at every RL step and checkpoint. From its first RL step on, when that heartbeat has not
-changed for the hang timeout (`cluster.hang_timeout_s`, and at least HANG_STEPS times the slowest of the recent steps), the watchdog
-asks every role for its Python stacks (SIGUSR2: faulthandler writes every thread's stack into the role's log), reads
-where each one's main thread is, and names them. Then:
+changed for the hang timeout (`cluster.hang_timeout_s`, and at least HANG_STEPS times the slowest of the recent steps),
+the watchdog asks every role for its Python stacks (SIGUSR2: faulthandler writes every thread's stack into the role's
+log), reads where each one's main thread is, and names them. Then:
 
 - the trainer waits on the inference workers (for rollouts, or in the weights group) and some are stuck (stopped, or no
-  publication for the timeout): those workers are killed, and the launcher's restart policy (`inference.max_restarts`) starts them again, as after any
-  death; the run goes on;
+  publication for the timeout): those workers are killed, and the launcher's restart policy (`inference.max_restarts`)
+  starts them again, as after any death; the run goes on;
 - otherwise (the trainer itself is stuck or stopped, or no worker is to blame): the run ends with exit code 1 and the
   report, resumable from its newest checkpoint with the same command.
 """

@@ -551,9 +551,9 @@ class ClusterConfig:
     # trainer checkpoints and the job requeues). Slurm may send it up to a minute early.
     grace_s: int = 120
     # launcher=local: seconds the trainer's heartbeat (each RL step and checkpoint, from the first RL step on) may stand
-    # still before the launcher calls the run hung, at least 20 times the slowest recent step (0: never). It then writes every role's
-    # Python stacks into its log, names where each waits, and kills stuck inference workers for the restart policy to
-    # start again (the trainer waiting for rollouts), or ends the run, resumable (rlhpc/cluster/watchdog.py).
+    # still before the launcher calls the run hung, at least 20 times the slowest recent step (0: never). It then writes
+    # every role's Python stacks into its log, names where each waits, and kills stuck inference workers for the restart
+    # policy to start again (the trainer waiting for rollouts), or ends the run, resumable (rlhpc/cluster/watchdog.py).
     hang_timeout_s: float = 900.0
     trainer: SlurmGroupConfig = field(default_factory=SlurmGroupConfig)
     inference: SlurmGroupConfig = field(default_factory=SlurmGroupConfig)

@@ -116,7 +116,11 @@ class Preload:
         while time.monotonic() < deadline and not cancel():
             if select.select([out], [], [], 0.1)[0]:
                 line = out.readline()
-                if not line:
+                if not line:  # it closed its end: it is exiting (its status may take a moment to be there)
+                    try:
+                        self.proc.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        pass
                     break
                 return json.loads(line)
         code = self.proc.poll()

@@ -245,7 +245,7 @@ class Trainer:
 
     def save_checkpoint(self, next_step: int) -> None:
         if self.is_main:
-            # A save is progress too: the launcher's hang watchdog times the trainer's heartbeat (cluster.hang_timeout_s).
+            # A save is progress too: the launcher's hang watchdog times this heartbeat (cluster.hang_timeout_s).
             self.run.heartbeat("trainer", self.rank, **self.beat, saving=next_step)
             self.claims.sync()  # the steps the checkpoint covers: durable before it is
         # The held-out curve is not trainer state: it lives in run_dir/evals/.
