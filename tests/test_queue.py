@@ -233,13 +233,15 @@ def test_the_trainer_syncs_the_queue_before_each_checkpoint_is_written(monkeypat
 
     calls = []
     t = trainer_module.Trainer.__new__(trainer_module.Trainer)
-    t.is_main, t.run = True, type("Run", (), {"checkpoints": Path("unused")})()
+    t.is_main, t.rank, t.beat = True, 0, {"step": 10, "steps": 20}
+    t.run = type("Run", (), {"checkpoints": Path("unused"),
+                             "heartbeat": lambda self, role, rank, **beat: calls.append(f"beat saving={beat['saving']}")})()
     t.model = t.optimizer = t.scheduler = None
     t.claims = type("Claims", (), {"sync": lambda self: calls.append("sync"),
                                     "retire_before": lambda self, step: calls.append(f"retire {step}")})()
     monkeypatch.setattr(trainer_module.checkpoint, "save", lambda *a, **k: calls.append("checkpoint"))
     t.save_checkpoint(10)
-    assert calls == ["sync", "checkpoint", "retire 10"]
+    assert calls == ["beat saving=10", "sync", "checkpoint", "retire 10"]
 
 
 def test_a_ledger_line_torn_by_a_power_loss_is_ignored_only_at_the_end(tmp_path):
