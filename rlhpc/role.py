@@ -13,6 +13,7 @@ import sys
 
 from rlhpc.config import schema as config_mod
 from rlhpc.run.identity import Identity, identity_from_env
+from rlhpc.run.procs import end_with_launcher
 from rlhpc.run.rundir import RunDir, no_space, out_of_space_advice, space_problem, write_json
 from rlhpc.run.stop import REQUEUE_EXIT, Stop, install_stop_handlers, stop_requested
 
@@ -44,6 +45,7 @@ def main() -> int:
     cfg = config_mod.load(os.environ.get("RLHPC_CONFIG_DIR") or run.root)
     setup_logging(run, ident, cfg.log_level)
     install_stop_handlers()
+    end_with_launcher()  # a local launcher's role stops when the launcher dies, as on Ctrl-C
     # Every thread's stack into this log on SIGUSR2: the launcher's hang watchdog asks for it (cluster/watchdog.py).
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     log = logging.getLogger("rlhpc.role")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import stat
+import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict
 
@@ -73,6 +76,39 @@ def terminal_gone() -> None:
 # attempts and restarts of a run, and a tail starts after the last such line (the process that just ended), not
 # among an earlier attempt's last words.
 LOG_START = "==== rlhpc: started"
+
+
+PR_SET_PDEATHSIG = 1
+LAUNCHER_PID = "RLHPC_LAUNCHER_PID"  # set by the local launcher in its roles' environment
+
+
+def end_with_launcher(adopt_timeout_s: float = 10.0) -> None:
+    """A role of the local launcher gets SIGTERM when the launcher dies, however it dies (kill -9 included), and stops as
+    on Ctrl-C, the trainer checkpointing: no role trains on, unwatched, beside the next launch (Linux's
+    PR_SET_PDEATHSIG). A role forked by the preload process waits until the launcher has adopted it (its forking parent
+    exits at once). A launcher already gone: SIGTERM at once. Elsewhere (Slurm steps, other systems): nothing."""
+    launcher = int(os.environ.get(LAUNCHER_PID) or 0)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    deadline = time.monotonic() + adopt_timeout_s
+    while os.getppid() != launcher and _alive(launcher) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != launcher:  # it died before the request took effect (or never adopted this role)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
