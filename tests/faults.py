@@ -257,11 +257,11 @@ def warm_start(run_dir: Path, timeout: float = 900) -> Path:
 
 def rl_overrides(model: Path, steps: int, checkpoint_interval: int, seed: int = 3,
                  transport: str = "broadcast") -> List[str]:
-    """RL from `model` as the quick start does it, with what surviving faults needs: restarts, short leases, retired
-    steps kept for the accounting. The final held-out reward uses 64 tasks."""
+    """RL from `model` as the quick start does it, with what surviving faults needs beyond the defaults (which restart
+    dead workers and a dead trainer): short leases, retired steps kept for the accounting. The final held-out reward uses 64 tasks."""
     return ["+exp=reverse_text", f"model.path={model}", "sft.steps=0", f"trainer.steps={steps}",
             f"trainer.checkpoint_interval={checkpoint_interval}", "eval.num_tasks=64", "eval.interval=0",
-            "launcher.progress=false", f"weights.transport={transport}", "inference.max_restarts=3", "queue.lease_s=3",
+            "launcher.progress=false", f"weights.transport={transport}", "queue.lease_s=3",
             "queue.keep_retired=true", f"seed={seed}"]
 
 
@@ -276,9 +276,10 @@ def heldout(run_dir: Path) -> Dict[str, float]:
 @dataclass
 class LocalChaos:
     """Runs `python -m rlhpc.launch <args>` and injects, at seeded random moments: 2 worker kills and a corrupt file,
-    then a trainer kill (the launcher ends the run; it is launched again and resumes from its checkpoint), then a
-    third worker kill, a second corrupt file and a frozen worker. `steps` is trainer.steps of the launch; the run
-    needs `inference.max_restarts>=3` and a checkpoint interval well below steps/2."""
+    then a trainer kill (the launcher starts the trainer again, with fresh workers, from its newest checkpoint:
+    trainer.max_restarts), then a third worker kill, a second corrupt file and a frozen worker. `steps` is
+    trainer.steps of the launch; the run needs restarts of workers and of the trainer (the defaults) and a checkpoint
+    interval well below steps/2."""
 
     args: List[str]
     run_dir: Path
@@ -291,10 +292,7 @@ class LocalChaos:
     snapshots: List[Dict[str, List[str]]] = field(default_factory=list)
     output: str = ""
     resumed_from: int = -1
-    returncodes: List[int] = field(default_factory=list)
-
-    def _start(self) -> subprocess.Popen:
-        return subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env)
+    returncode: Optional[int] = None
 
     def _wait(self, proc: subprocess.Popen, n: int, rng) -> None:
         wait_steps(self.run_dir, n, lambda: None if proc.poll() is None else f"exit code {proc.returncode}")
@@ -306,37 +304,36 @@ class LocalChaos:
         rng = random.Random(self.seed)
         iv, steps = self.checkpoint_interval, self.steps
         kill_trainer_at = rng.randint(2 * iv + 1, 3 * iv - 1)  # after two checkpoints, before the third
-        first = self._start()
+        proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env)
         try:
-            self._wait(first, rng.randint(1, iv), rng)
+            self._wait(proc, rng.randint(1, iv), rng)
             self.faults.append(kill_role(self.run_dir, "inference", 0))
             self.faults.append(corrupt_pending_file(self.run_dir))
-            self._wait(first, rng.randint(iv + 1, 2 * iv), rng)
+            self._wait(proc, rng.randint(iv + 1, 2 * iv), rng)
             self.faults.append(kill_role(self.run_dir, "inference", 1))
-            self._wait(first, kill_trainer_at, rng)
+            self._wait(proc, kill_trainer_at, rng)
             self.snapshots.append(snapshot(self.run_dir))
-            self.faults.append(kill_role(self.run_dir, "trainer", 0))  # the launcher ends the run ...
-            out, err = first.communicate(timeout=180)
-        finally:
-            _end(first)
-        self.output += out + err
-        self.returncodes.append(first.returncode)
-        self.resumed_from = (read_json(self.run_dir / "checkpoints" / "latest.json") or {}).get("step", 0)
-
-        second = self._start()  # ... and it is launched again: the trainer resumes from its checkpoint
-        try:
+            killed = role_pid(self.run_dir, "trainer", 0)
+            self.faults.append(kill_role(self.run_dir, "trainer", 0))  # the launcher starts it again ...
+            # ... from the newest checkpoint, which the dead trainer can no longer move
+            self.resumed_from = (read_json(self.run_dir / "checkpoints" / "latest.json") or {}).get("step", 0)
+            deadline = time.monotonic() + 180
+            while role_pid(self.run_dir, "trainer", 0, timeout=180) == killed:  # its heartbeat still names the dead
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the trainer was not started again (launcher exit code {proc.poll()})")
+                time.sleep(0.1)
             after = max(self.resumed_from, len(ledger(self.run_dir)))
-            self._wait(second, after + rng.randint(1, 3), rng)
+            self._wait(proc, after + rng.randint(1, 3), rng)
             self.faults.append(kill_role(self.run_dir, "inference", rng.randint(0, 1)))
             self.faults.append(corrupt_pending_file(self.run_dir))
-            self._wait(second, min(steps - 3, after + rng.randint(4, 6)), rng)
+            self._wait(proc, min(steps - 3, after + rng.randint(4, 6)), rng)
             self.faults.append(freeze_role(self.run_dir, "inference", 1, self.freeze_s))
-            out, err = second.communicate(timeout=timeout)
+            out, err = proc.communicate(timeout=timeout)
         finally:
-            _end(second)
+            _end(proc)
         self.output += out + err
-        self.returncodes.append(second.returncode)
-        return second.returncode
+        self.returncode = proc.returncode
+        return proc.returncode
 
 
 def _end(proc: subprocess.Popen) -> None:

@@ -74,10 +74,10 @@ def test_a_crashing_role_stops_the_others_and_the_launcher_shows_its_log(tmp_pat
 def test_a_trainer_killed_by_a_signal_is_named_as_the_cause_not_the_worker_that_lost_it(tmp_path):
     """kill -9 (or the OOM killer) leaves no Python error and no status/FAILED of the killed role; the workers then fail
     on their dead weights-group peer and one of them writes the marker. The launcher and `rlhpc.status` name the
-    trainer."""
+    trainer. (trainer.max_restarts=0: by default the trainer is started again, tests/test_chaos.py.)"""
     run_dir = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", "sft.steps=0",
-                          "trainer.steps=10000", "inference.max_restarts=0"],
+                          "trainer.steps=10000", "inference.max_restarts=0", "trainer.max_restarts=0"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ledger = run_dir / "queue" / "ledger.jsonl"
     deadline = time.time() + 180
@@ -177,6 +177,34 @@ def test_sigint_ends_every_process_the_launcher_started(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait(timeout=30)
+        for leftover in rlhpc_processes(run_dir):
+            os.kill(leftover, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_launcher_killed_with_sigkill_leaves_no_role_behind_and_the_trainer_checkpoints(tmp_path):
+    """kill -9 of the launcher (an OOM killer, a lost login node) cannot end its roles itself: each was asked at its
+    start to get SIGTERM when the launcher dies (PR_SET_PDEATHSIG), and stops as on Ctrl-C."""
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "rlhpc.launch", *SMALL, f"run_dir={run_dir}", "trainer.steps=10000"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        ledger = run_dir / "queue" / "ledger.jsonl"
+        deadline = time.time() + 180
+        while time.time() < deadline and (not ledger.exists() or len(ledger.read_text().splitlines()) < 2):
+            time.sleep(0.1)
+        assert len(rlhpc_processes(run_dir, roles_only=True)) >= 3  # the roles (and the workers' environment pools)
+        p.kill()
+        p.wait(timeout=30)
+        deadline = time.time() + 60  # the trainer finishes its step and saves
+        while time.time() < deadline and rlhpc_processes(run_dir):
+            time.sleep(0.2)
+        assert rlhpc_processes(run_dir) == []
+        assert json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"] >= 2
+        assert "stop requested" in (run_dir / "logs" / "trainer-0.log").read_text()
+    finally:  # what a failure left running
+        if p.poll() is None:
+            p.kill()
         for leftover in rlhpc_processes(run_dir):
             os.kill(leftover, signal.SIGKILL)
 

@@ -212,3 +212,48 @@ def test_sigterm_during_a_back_off_ends_the_run_at_once_and_starts_nothing_more(
     assert took < 30, took  # the trainer's checkpoint grace at most, not the back-off
     assert all("restart 1" not in log.read_text() for log in (run_dir / "logs").glob("inference-*.log"))
     assert rlhpc_processes(run_dir) == []
+
+
+def test_the_trainers_policy_names_its_own_keys_and_counts_a_newer_checkpoint_as_work():
+    from rlhpc.config.schema import Config
+
+    policy = RestartPolicy.of_trainer(Config().trainer)
+    assert (policy.max_restarts, policy.window_s, policy.section) == (2, 3600.0, "trainer")
+    assert [decide([killed(t) for t in range(k)], policy).restart for k in (1, 2, 3)] == [True, True, False]
+    assert "more than trainer.max_restarts=2 restarts allow: raise trainer.max_restarts" in \
+        decide([killed(t) for t in range(3)], policy).why_not
+    oom = Death(0, -9, "trainer[0] INFO rlhpc.train.trainer: step 12 loss 0.1", worked=False)
+    assert not decide([oom, Death(9, -9, "trainer[0] INFO rlhpc.train.trainer: step 12 loss 0.3", worked=False)],
+                      policy).restart  # killed at the same step twice, no checkpoint in between
+    assert decide([killed(0, worked=False)], RestartPolicy(0, 0, 2.0, "trainer")).why_not == \
+        "trainer.max_restarts=0: a dead trainer ends the run"
+
+
+def test_the_local_launcher_restarts_a_killed_trainer_but_not_one_that_raised_or_was_stopped(tmp_path):
+    """What ends the launcher's watch decides: a trainer killed by a signal is started again (after the back-off), one
+    that exited with a Python error, or died while the run was being stopped, or beyond its budget, is not."""
+    from rlhpc.cluster.local_launcher import LocalLauncher, Proc
+    from rlhpc.config.schema import Config
+    from rlhpc.run.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.make()
+    launcher = LocalLauncher(Config())
+
+    def trainer_that(code):
+        popen = subprocess.Popen([sys.executable, "-c", f"import os, signal, sys; "
+                                  f"os.kill(os.getpid(), {-code}) if {code} < 0 else sys.exit({code})"])
+        popen.wait(timeout=30)
+        launcher.failure = Proc("trainer", 0, 1, popen, open(run.log_file("trainer", 0), "ab"))
+        run.log_file("trainer", 0).write_text(f"step 7 of a life that ended with {code}\n")
+
+    trainer_that(-signal.SIGKILL)
+    assert launcher.trainer_restart(run, 1, {"signal": None}) == 2.0
+    trainer_that(1)  # a traceback in its log: a restart would repeat it
+    assert launcher.trainer_restart(run, 1, {"signal": None}) is None
+    trainer_that(-signal.SIGKILL)
+    assert launcher.trainer_restart(run, 130, {"signal": signal.SIGINT}) is None  # Ctrl-C: the run stops
+    trainer_that(-signal.SIGSEGV)
+    assert launcher.trainer_restart(run, 1, {"signal": None}) == 4.0  # the second in the window: twice the wait
+    trainer_that(-signal.SIGKILL)
+    assert launcher.trainer_restart(run, 1, {"signal": None}) is None  # 2 restarts spent

@@ -100,18 +100,25 @@ def freeze_after(run_dir, roles, *overrides, steps_first=12):
 
 
 @pytest.mark.slow
-def test_a_stopped_trainer_ends_the_run_naming_it_with_every_roles_stack_in_its_log(tmp_path):
+def test_a_stopped_trainer_is_named_with_every_roles_stack_then_restarted_from_its_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    p, err = freeze_after(run_dir, [("trainer", 0)], "trainer.steps=400", "trainer.checkpoint_interval=5")
-    assert p.returncode == 1, err[-3000:]
+    steps = 25
+    p, err = freeze_after(run_dir, [("trainer", 0)], f"trainer.steps={steps}", "trainer.checkpoint_interval=5")
+    assert p.returncode == 0, err[-3000:]
     assert "hang: the trainer's heartbeat has not changed for" in err
     assert "trainer-0 (pid" in err and "is stopped (SIGSTOP or a debugger)" in err
-    assert "the same command resumes it from its newest checkpoint" in err
     for name in ("inference-0", "inference-1"):  # running workers: their stacks, and where they are, named
         assert "(most recent call first)" in (run_dir / "logs" / f"{name}.log").read_text()
         assert re.search(rf"{name} \(pid \d+\) is in rlhpc/\S+\.py:\d+ ", err), err[-3000:]
-    failed = json.loads((run_dir / "status" / "FAILED").read_text())
-    assert failed["role"] == "trainer" and failed["error"].startswith("hung:")
+    restarted = re.search(r"restarting the trainer \(1 of trainer.max_restarts=2\) in 2s from its newest checkpoint "
+                          r"\(step (\d+)\), with fresh inference workers", err)
+    assert restarted, err[-3000:]
+    resumed = int(restarted.group(1))
+    assert resumed >= 10 and resumed % 5 == 0  # frozen after 12 steps were trained, checkpoints every 5
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rl_steps"] == steps and summary["resumed_at"] == [resumed]
+    entries = [json.loads(line) for line in (run_dir / "queue" / "ledger.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in entries] == list(range(steps))  # every step once
     assert rlhpc_processes(run_dir) == []
 
 

@@ -3,12 +3,14 @@
 It watches its children: a role that fails ends the others and the launcher exits non-zero with the tail of that
 role's log, except an inference worker (or follower) that the restart policy starts again (rlhpc.cluster.restarts:
 `inference.max_restarts` per `inference.restart_window_s`, after a back-off, never one that crashes at every start),
-which rejoins at the newest weights while training goes on; Ctrl-C, SIGTERM or a closed terminal (SIGHUP) ends
+which rejoins at the newest weights while training goes on, and a trainer killed by a signal or found hung, which
+the restart policy (`trainer.max_restarts`) starts again from its newest checkpoint with fresh workers; Ctrl-C, SIGTERM or a closed terminal (SIGHUP) ends
 every process it started, the trainer checkpointing on its way out; a progress bar follows the trainer's heartbeat.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -23,7 +25,7 @@ from rlhpc.cluster.watchdog import HangWatch, inspect, waits_on_workers
 from rlhpc.config.disaggregation import describe as disagg_describe
 from rlhpc.config.schema import Config
 from rlhpc.run.preload import Forked, Preload, PreloadError
-from rlhpc.run.procs import LOG_START, exit_code, free_port, on_stop_signals, tail
+from rlhpc.run.procs import LAUNCHER_PID, LOG_START, exit_code, free_port, on_stop_signals, tail
 from rlhpc.run.rundir import RunDir, out_of_space_advice, read_json, space_problem, write_json
 
 
@@ -80,6 +82,10 @@ class LocalLauncher:
         self.restarts: dict = {}  # name of an inference worker or follower -> times restarted
         self.deaths: Dict[str, List[Death]] = {}  # name -> its deaths, oldest first (rlhpc.cluster.restarts)
         self.due: Dict[str, float] = {}  # name of a dead worker -> when its back-off ends and it starts again
+        self.failure: Optional[Proc] = None  # the role whose failure ended the watch (`cause`), if one did
+        self.hung = False  # the watch ended because the trainer hung (cluster.hang_timeout_s)
+        self.trainer_deaths: List[Death] = []  # the trainer's deaths and hangs in this launch, oldest first
+        self.start_step = 0  # the newest checkpoint when the trainer of this life started
         self.env: dict = {}  # added to every role's environment (attached workers: rlhpc.cluster.attach)
         self.preload: Optional[Preload] = None  # started at the first spawn where launcher.preload is on
         self.preload_failed = not cfg.launcher.preload
@@ -106,7 +112,7 @@ class LocalLauncher:
         """The environment every role of the run in `root` shares (the preload process's too)."""
         env = dict(os.environ)
         env.update(RLHPC_RUN_DIR=str(root), PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.cfg.trainer.threads),
-                   **self.env)
+                   **{LAUNCHER_PID: str(os.getpid())}, **self.env)  # roles stop when this process dies
         return env
 
     def start_preload(self, root: Path, stderr: Optional[Path] = None) -> None:
@@ -157,7 +163,6 @@ class LocalLauncher:
             self.preload = None
 
     def start(self, run: RunDir) -> int:
-        self.attempt = f"{int(time.time())}-{os.getpid()}"
         cfg = self.cfg
         t0 = time.time()
         stop = {"signal": None}
@@ -170,20 +175,26 @@ class LocalLauncher:
         old = on_stop_signals(on_signal)
         self.stopping = lambda: stop["signal"] is not None
         try:
-            port = free_port()
-            master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            for r in range(cfg.trainer.num_ranks):
-                self.procs.append(self.spawn(run, "trainer", r, cfg.trainer.num_ranks, master))
-            for r in range(cfg.inference.num_workers):
-                self.procs.append(self.spawn(run, "inference", r, cfg.inference.num_workers,
-                                             {"RLHPC_RESTARTS_LEFT": str(cfg.inference.max_restarts)}))
-            # The other "nodes" of instances that span several (rlhpc/infer/follower.py), here on this machine.
-            followers = cfg.inference.num_workers * (cfg.inference.nodes_per_instance - 1)
-            for r in range(followers):
-                self.procs.append(self.spawn(run, "follower", r, followers,
-                                             {"RLHPC_RESTARTS_LEFT": str(cfg.inference.max_restarts)}))
-            print(f"run_dir: {run.root}\nlogs:    {run.logs}/  (tensorboard --logdir {run.tb})", flush=True)
-            code = self.watch(run, t0, stop)
+            for life in itertools.count():
+                # Each life of the trainer is an attempt of its own: its weights group meets at a new rendezvous.
+                self.attempt = f"{int(time.time())}-{os.getpid()}" + (f"-{life}" if life else "")
+                self.start_roles(run)
+                if life == 0:
+                    print(f"run_dir: {run.root}\nlogs:    {run.logs}/  (tensorboard --logdir {run.tb})", flush=True)
+                code = self.watch(run, t0, stop)
+                delay = self.trainer_restart(run, code, stop)
+                if delay is None:
+                    break
+                self.end_all(keep_preload=True)  # the workers too: they meet the new trainer as a new group
+                self.procs, self.due = [], {}
+                for stale in (run.failed, run.requeue):  # the dead life's, as a new launch drops them
+                    stale.unlink(missing_ok=True)
+                deadline = time.monotonic() + delay
+                while time.monotonic() < deadline and stop["signal"] is None:
+                    time.sleep(0.1)
+                if stop["signal"] is not None:
+                    code = exit_code(stop["signal"])
+                    break
         finally:
             if stop["signal"] is None or not any(p.role == "trainer" and p.popen.poll() is None for p in self.procs):
                 self.end_all()
@@ -200,6 +211,52 @@ class LocalLauncher:
             print_summary(run, wall_time_s=time.time() - t0)
         return code
 
+    def start_roles(self, run: RunDir) -> None:
+        cfg = self.cfg
+        master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        for r in range(cfg.trainer.num_ranks):
+            self.procs.append(self.spawn(run, "trainer", r, cfg.trainer.num_ranks, master))
+        for r in range(cfg.inference.num_workers):
+            self.procs.append(self.spawn(run, "inference", r, cfg.inference.num_workers,
+                                         {"RLHPC_RESTARTS_LEFT": str(cfg.inference.max_restarts)}))
+        # The other "nodes" of instances that span several (rlhpc/infer/follower.py), here on this machine.
+        followers = cfg.inference.num_workers * (cfg.inference.nodes_per_instance - 1)
+        for r in range(followers):
+            self.procs.append(self.spawn(run, "follower", r, followers,
+                                         {"RLHPC_RESTARTS_LEFT": str(cfg.inference.max_restarts)}))
+        self.start_step = checkpoint_step(run)
+        self.failure, self.hung = None, False
+
+    def trainer_restart(self, run: RunDir, code: int, stop: dict) -> Optional[float]:
+        """After a watch that ended with `code`: the seconds to wait before the trainer (with fresh workers) starts
+        again from its newest checkpoint, or None when the run ends here. Restarted: a trainer killed by a signal or
+        found hung, within trainer.max_restarts, unless the run was stopped, finished, or is out of space."""
+        p = self.failure
+        if code != 1 or p is None or p.role != "trainer" or stop["signal"] is not None or run.done.exists():
+            return None
+        if not self.hung and (p.popen.returncode or 0) >= 0:
+            return None  # a Python error: its log says why, and a restart would repeat it
+        if space_problem(run.root):
+            return None  # said by the watch
+        if self.hung:
+            _killpg(p.popen.pid, signal.SIGKILL)  # stopped or stuck: no grace to give it
+            p.popen.wait(timeout=10)
+        log = run.log_file(p.role, p.rank)
+        latest = checkpoint_step(run)
+        self.trainer_deaths.append(Death(time.monotonic(), p.popen.returncode,
+                                         ("hung: " if self.hung else "") + last_line(tail(log, 20)),
+                                         worked=latest > self.start_step))
+        verdict = decide(self.trainer_deaths, RestartPolicy.of_trainer(self.cfg.trainer))
+        if not verdict.restart:
+            if self.cfg.trainer.max_restarts:
+                print(f"not restarting the trainer: {verdict.why_not}", file=sys.stderr, flush=True)
+            return None
+        print(f"restarting the trainer ({verdict.count} of trainer.max_restarts={self.cfg.trainer.max_restarts}) "
+              f"in {verdict.delay_s:g}s from its newest checkpoint ("
+              + (f"step {latest}" if latest else "none yet: RL starts over") + "), with fresh inference workers",
+              file=sys.stderr, flush=True)
+        return verdict.delay_s
+
     def watch(self, run: RunDir, t0: float, stop: dict) -> int:
         cfg = self.cfg
         bar = _Progress(cfg) if cfg.launcher.progress else None
@@ -213,7 +270,7 @@ class LocalLauncher:
                 failed = [p for p in self.procs if p.popen.poll() not in (None, 0) and not self.restart(run, p)]
                 self.start_due(run)
                 if failed:
-                    p = self.cause(run, failed[0])
+                    p = self.failure = self.cause(run, failed[0])
                     print(f"\n{p.name} exited with code {p.popen.poll()}; ending the others. Last lines of "
                           f"{run.log_file(p.role, p.rank)}:\n{tail(run.log_file(p.role, p.rank), 40)}", file=sys.stderr)
                     full = space_problem(run.root)
@@ -238,6 +295,8 @@ class LocalLauncher:
                     print(f"\nlauncher.timeout_s={cfg.launcher.timeout_s:.0f}s reached; ending all roles", file=sys.stderr)
                     return 124
                 if hang.due() and not self.on_hang(run, hang, t0):
+                    self.failure = next((p for p in trainers if p.rank == 0), None)
+                    self.hung = True
                     return 1
                 if bar:
                     bar.update(run)
@@ -282,8 +341,9 @@ class LocalLauncher:
                        durable=False)
         except OSError:
             pass  # a full disk: reported on its own (space_problem)
-        print(f"hang: ending the run{'' if cause is None else ' (' + cause.line() + ')'}; the same command resumes "
-              f"it from its newest checkpoint", file=sys.stderr, flush=True)
+        print(f"hang: ending the trainer{'' if cause is None else ' (' + cause.line() + ')'}; trainer.max_restarts "
+              f"starts it again from its newest checkpoint, or else the same command resumes it", file=sys.stderr,
+              flush=True)
         return False
 
     def restart(self, run: RunDir, p: Proc) -> bool:
@@ -369,9 +429,10 @@ class LocalLauncher:
         return first
 
     def end_all(self, grace_s: float = 10.0, trainer_grace_s: Optional[float] = None,
-                cut: Callable[[], bool] = lambda: False) -> None:
+                cut: Callable[[], bool] = lambda: False, keep_preload: bool = False) -> None:
         """SIGTERM to each role's process group, then SIGKILL what is left after `grace_s` (trainers: after
-        `trainer_grace_s`, when given), or as soon as `cut()` says so."""
+        `trainer_grace_s`, when given), or as soon as `cut()` says so; then the preload process, unless kept for a
+        restart."""
         alive = [p for p in self.procs if p.popen.poll() is None]
         for p in alive:
             _killpg(p.popen.pid, signal.SIGTERM)
@@ -388,7 +449,16 @@ class LocalLauncher:
             if p.popen.poll() is None:
                 p.popen.wait(timeout=5)
             p.log.close()
-        self.end_preload()
+        if not keep_preload:
+            self.end_preload()
+
+
+def checkpoint_step(run: RunDir) -> int:
+    """The step of the run's newest checkpoint (0: none)."""
+    try:
+        return int((read_json(run.checkpoints / "latest.json") or {}).get("step", 0))
+    except (ValueError, TypeError, AttributeError):
+        return 0  # garbled: the trainer's resume says what it finds
 
 
 def _killpg(pid: int, sig: int) -> None:

@@ -1,4 +1,5 @@
-"""When a dead inference worker (or follower) is started again: the restart policy, as one pure function.
+"""When a dead inference worker (or follower), or a dead trainer, is started again: the restart policy, as one pure
+function.
 
 A worker holds nothing a restart cannot rebuild, so a death costs a restart, not the run, within a budget:
 `inference.max_restarts` restarts per worker within any `inference.restart_window_s` seconds, each after a back-off
@@ -9,8 +10,11 @@ with each batch it publishes, a follower once it joined its leader) crashes at e
 only spin, so it is not, whatever budget is left.
 `inference.max_restarts=0`: the first death ends the run.
 
+The trainer has a policy of its own (`trainer.max_restarts` per `trainer.restart_window_s`): its "work" is a checkpoint
+newer than the one it started from, the only progress a restart keeps.
+
 The local launcher (rlhpc.cluster.local_launcher) asks `decide`; inside a Slurm job the task loop of
-rlhpc.cluster.hetjob does the same in bash.
+rlhpc.cluster.hetjob does the same in bash for workers.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 BACKOFF_CAP_S = 60.0  # the longest wait before a restart: a worker in a crash loop costs one start a minute at most
+TRAINER_BACKOFF_S = 2.0  # the first wait before the trainer starts again, doubled like a worker's
 
 # A role's log line starts with a timestamp (rlhpc.role's format); two deaths at the same line differ only there.
 _STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(,\d+)? ")
@@ -28,13 +33,18 @@ _NUMBER = re.compile(r"\d+")
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    max_restarts: int  # inference.max_restarts: restarts per worker within the window (0: none)
-    window_s: float  # inference.restart_window_s (0: the whole run)
-    backoff_s: float  # inference.restart_backoff_s: the first wait, doubled by every restart in the window
+    max_restarts: int  # <section>.max_restarts: restarts per process within the window (0: none)
+    window_s: float  # <section>.restart_window_s (0: the whole run)
+    backoff_s: float  # the first wait, doubled by every restart in the window
+    section: str = "inference"  # the config section whose keys the verdicts name
 
     @classmethod
     def of(cls, inference) -> "RestartPolicy":
         return cls(inference.max_restarts, inference.restart_window_s, inference.restart_backoff_s)
+
+    @classmethod
+    def of_trainer(cls, trainer) -> "RestartPolicy":
+        return cls(trainer.max_restarts, trainer.restart_window_s, TRAINER_BACKOFF_S, "trainer")
 
 
 @dataclass(frozen=True)
@@ -58,11 +68,12 @@ class Verdict:
 
 
 def decide(deaths: Sequence[Death], policy: RestartPolicy) -> Verdict:
-    """Whether a worker whose deaths so far are `deaths` (oldest first, the one just seen last), is restarted,
-    and after how long."""
-    last = deaths[-1]
+    """Whether a worker (or the trainer) whose deaths so far are `deaths` (oldest first, the one just seen last), is
+    restarted, and after how long."""
+    last, key = deaths[-1], policy.section
     if policy.max_restarts <= 0:
-        return Verdict(False, why_not="inference.max_restarts=0: a dead worker ends the run")
+        return Verdict(False, why_not=f"{key}.max_restarts=0: a dead "
+                                      f"{'trainer' if key == 'trainer' else 'worker'} ends the run")
     if len(deaths) >= 2 and not last.worked and last.signature == deaths[-2].signature:
         return Verdict(False, why_not=(
             f"it crashed the same way at two starts in a row (exit code {last.code}, last log line: "
@@ -70,10 +81,10 @@ def decide(deaths: Sequence[Death], policy: RestartPolicy) -> Verdict:
             f"it is not restarted again; fix the cause (its log), then launch the same command to resume"))
     recent = [d for d in deaths if not policy.window_s or d.time > last.time - policy.window_s]
     if len(recent) > policy.max_restarts:
-        within = f"within inference.restart_window_s={policy.window_s:g}s" if policy.window_s else "in this run"
+        within = f"within {key}.restart_window_s={policy.window_s:g}s" if policy.window_s else "in this run"
         return Verdict(False, why_not=(
-            f"it died {len(recent)} times {within}, more than inference.max_restarts={policy.max_restarts} "
-            f"restarts allow: raise inference.max_restarts (or lower inference.restart_window_s) to restart it more "
+            f"it died {len(recent)} times {within}, more than {key}.max_restarts={policy.max_restarts} "
+            f"restarts allow: raise {key}.max_restarts (or lower {key}.restart_window_s) to restart it more "
             f"often; its log tells why it dies"))
     delay = min(policy.backoff_s * 2 ** (len(recent) - 1), max(BACKOFF_CAP_S, policy.backoff_s))
     return Verdict(True, delay_s=delay, count=len(recent))

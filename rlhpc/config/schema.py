@@ -272,6 +272,15 @@ class TrainerConfig:
     # A step whose advantages, loss or gradient norm is not finite is skipped (weights unchanged, republished as the
     # next version); this many skipped steps in a row stop the run (docs/fault-tolerance.md).
     max_bad_steps: int = 5
+    # launcher=local: a trainer killed by a signal (kill -9, the OOM killer, a crash) or found hung
+    # (cluster.hang_timeout_s) is started again, with fresh inference workers, from its newest checkpoint
+    # (trainer.checkpoint_interval; with 0, from the start of RL), up to this many times within
+    # trainer.restart_window_s; one that dies again the same way without a newer checkpoint in between is not. A Python
+    # error in the trainer (a bug or bad input a restart would repeat) ends the run, as does 0. Under Slurm the
+    # trainer's death ends the job (its requeue resumes it).
+    max_restarts: int = 2
+    # The window over which trainer.max_restarts counts the trainer's restarts (0: the whole launch).
+    restart_window_s: float = 3600.0
     # Torch threads of each trainer rank.
     threads: int = 1
 
@@ -784,6 +793,8 @@ def validate(cfg: Config) -> None:
     need(cfg.queue.keep_quarantined >= 0, "queue.keep_quarantined", "must be >= 0")
     need(cfg.inference.idle_timeout_s >= 0, "inference.idle_timeout_s", "must be >= 0 (0: wait forever)")
     need(cfg.inference.max_restarts >= 0, "inference.max_restarts", "must be >= 0")
+    need(cfg.trainer.max_restarts >= 0, "trainer.max_restarts", "must be >= 0 (0: a dead trainer ends the run)")
+    need(cfg.trainer.restart_window_s >= 0, "trainer.restart_window_s", "must be >= 0 (0: the whole launch)")
     need(cfg.cluster.hang_timeout_s >= 0, "cluster.hang_timeout_s", "must be >= 0 (0: no hang watchdog)")
     need(cfg.inference.restart_window_s >= 0, "inference.restart_window_s", "must be >= 0 (0: the whole run)")
     need(cfg.inference.restart_backoff_s >= 0, "inference.restart_backoff_s", "must be >= 0")
