@@ -234,8 +234,8 @@ def test_the_trainer_syncs_the_queue_before_each_checkpoint_is_written(monkeypat
     calls = []
     t = trainer_module.Trainer.__new__(trainer_module.Trainer)
     t.is_main, t.rank, t.beat = True, 0, {"step": 10, "steps": 20}
-    t.run = type("Run", (), {"checkpoints": Path("unused"),
-                             "heartbeat": lambda self, role, rank, **beat: calls.append(f"beat saving={beat['saving']}")})()
+    beat = lambda self, role, rank, **fields: calls.append(f"beat saving={fields['saving']}")  # noqa: E731
+    t.run = type("Run", (), {"checkpoints": Path("unused"), "heartbeat": beat})()
     t.model = t.optimizer = t.scheduler = None
     t.claims = type("Claims", (), {"sync": lambda self: calls.append("sync"),
                                     "retire_before": lambda self, step: calls.append(f"retire {step}")})()

@@ -4,9 +4,9 @@ It watches its children: a role that fails ends the others and the launcher exit
 role's log, except an inference worker (or follower) that the restart policy starts again (rlhpc.cluster.restarts:
 `inference.max_restarts` per `inference.restart_window_s`, after a back-off, never one that crashes at every start),
 which rejoins at the newest weights while training goes on, and a trainer killed by a signal or found hung, which
-the restart policy (`trainer.max_restarts`) starts again from its newest checkpoint with fresh workers; Ctrl-C, SIGTERM or a closed terminal (SIGHUP) ends
-every process it started, the trainer checkpointing on its way out; a progress bar follows the trainer's heartbeat.
-"""
+the restart policy (`trainer.max_restarts`) starts again from its newest checkpoint with fresh workers; Ctrl-C,
+SIGTERM or a closed terminal (SIGHUP) ends every process it started, the trainer checkpointing on its way out; a
+progress bar follows the trainer's heartbeat. Its roles stop when it dies, however it dies (rlhpc.run.procs)."""
 
 from __future__ import annotations
 
@@ -240,7 +240,12 @@ class LocalLauncher:
             return None  # said by the watch
         if self.hung:
             _killpg(p.popen.pid, signal.SIGKILL)  # stopped or stuck: no grace to give it
-            p.popen.wait(timeout=10)
+            try:
+                p.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # unkillable (stuck in the kernel): nothing to restart into
+                print(f"the hung trainer (pid {p.popen.pid}) did not end on SIGKILL within 10s; not restarting it",
+                      file=sys.stderr, flush=True)
+                return None
         log = run.log_file(p.role, p.rank)
         latest = checkpoint_step(run)
         self.trainer_deaths.append(Death(time.monotonic(), p.popen.returncode,

@@ -83,8 +83,8 @@ LAUNCHER_PID = "RLHPC_LAUNCHER_PID"  # set by the local launcher in its roles' e
 
 
 def end_with_launcher(adopt_timeout_s: float = 10.0) -> None:
-    """A role of the local launcher gets SIGTERM when the launcher dies, however it dies (kill -9 included), and stops as
-    on Ctrl-C, the trainer checkpointing: no role trains on, unwatched, beside the next launch (Linux's
+    """A role of the local launcher gets SIGTERM when the launcher dies, however it dies (kill -9 included), and stops
+    as on Ctrl-C, the trainer checkpointing: no role trains on, unwatched, beside the next launch (Linux's
     PR_SET_PDEATHSIG). A role forked by the preload process waits until the launcher has adopted it (its forking parent
     exits at once). A launcher already gone: SIGTERM at once. Elsewhere (Slurm steps, other systems): nothing."""
     launcher = int(os.environ.get(LAUNCHER_PID) or 0)
