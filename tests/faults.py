@@ -258,7 +258,8 @@ def warm_start(run_dir: Path, timeout: float = 900) -> Path:
 def rl_overrides(model: Path, steps: int, checkpoint_interval: int, seed: int = 3,
                  transport: str = "broadcast") -> List[str]:
     """RL from `model` as the quick start does it, with what surviving faults needs beyond the defaults (which restart
-    dead workers and a dead trainer): short leases, retired steps kept for the accounting. The final held-out reward uses 64 tasks."""
+    dead workers and a dead trainer): short leases, retired steps kept for the accounting. The final held-out reward
+    uses 64 tasks."""
     return ["+exp=reverse_text", f"model.path={model}", "sft.steps=0", f"trainer.steps={steps}",
             f"trainer.checkpoint_interval={checkpoint_interval}", "eval.num_tasks=64", "eval.interval=0",
             "launcher.progress=false", f"weights.transport={transport}", "queue.lease_s=3",

@@ -241,6 +241,8 @@ def test_the_local_launcher_restarts_a_killed_trainer_but_not_one_that_raised_or
     launcher = LocalLauncher(Config())
 
     def trainer_that(code):
+        if launcher.failure is not None:
+            launcher.failure.log.close()
         popen = subprocess.Popen([sys.executable, "-c", f"import os, signal, sys; "
                                   f"os.kill(os.getpid(), {-code}) if {code} < 0 else sys.exit({code})"])
         popen.wait(timeout=30)
@@ -257,3 +259,14 @@ def test_the_local_launcher_restarts_a_killed_trainer_but_not_one_that_raised_or
     assert launcher.trainer_restart(run, 1, {"signal": None}) == 4.0  # the second in the window: twice the wait
     trainer_that(-signal.SIGKILL)
     assert launcher.trainer_restart(run, 1, {"signal": None}) is None  # 2 restarts spent
+    launcher.failure.log.close()
+
+    # Found hung (the watchdog): the trainer, still alive (stopped), is killed first, then started again.
+    hung = LocalLauncher(Config())
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    os.kill(stopped.pid, signal.SIGSTOP)
+    with open(run.log_file("trainer", 0), "ab") as log:
+        hung.failure, hung.hung = Proc("trainer", 0, 1, stopped, log), True
+        assert hung.trainer_restart(run, 1, {"signal": None}) == 2.0
+    assert stopped.returncode == -signal.SIGKILL
+    assert hung.trainer_deaths[-1].last_line.startswith("hung: ")

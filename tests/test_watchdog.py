@@ -107,6 +107,7 @@ def test_a_stopped_trainer_is_named_with_every_roles_stack_then_restarted_from_i
     assert p.returncode == 0, err[-3000:]
     assert "hang: the trainer's heartbeat has not changed for" in err
     assert "trainer-0 (pid" in err and "is stopped (SIGSTOP or a debugger)" in err
+    assert "hang: ending the trainer (trainer-0 (pid" in err
     for name in ("inference-0", "inference-1"):  # running workers: their stacks, and where they are, named
         assert "(most recent call first)" in (run_dir / "logs" / f"{name}.log").read_text()
         assert re.search(rf"{name} \(pid \d+\) is in rlhpc/\S+\.py:\d+ ", err), err[-3000:]
